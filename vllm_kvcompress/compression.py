@@ -1,0 +1,125 @@
+"""Per-request compression state that moves with the cache: scores, positions.
+
+Worker and reference decoder both keep one `RequestCompression` per request.
+It tracks, per layer, the logical position of every cached token (per KV
+head: heads may keep different tokens) and the attention the policy has
+accumulated for it, and turns a compaction order (keep N tokens) into the
+kept indices per (layer, KV head). Where the K/V themselves live (vLLM's paged
+cache, the reference's dense tensors) is the caller's business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import KVCompressConfig
+from .policies import Observation, Observe, select_keep
+
+
+class RequestCompression:
+    def __init__(
+        self, config: KVCompressConfig, prefill_len: int, num_layers: int,
+        num_kv_heads: int, num_q_heads: int,
+    ) -> None:
+        self.config = config
+        self.policy = config.make_policy()
+        self.prefill_len = prefill_len
+        self.budget = config.resolve_budget(prefill_len, self.policy.min_budget()) if config.enabled else None
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.group = num_q_heads // num_kv_heads
+        self.num_compressions = 0
+        self.positions = [torch.empty(num_kv_heads, 0, dtype=torch.int64) for _ in range(num_layers)]
+        self.attention: list[torch.Tensor | None] = [None] * num_layers
+
+    # ------------------------------------------------------------ observing
+
+    @property
+    def needs_attention(self) -> bool:
+        """Whether any query's attention can still influence a compression."""
+        mode = self.policy.observe
+        if mode is Observe.NOTHING or not self.config.enabled:
+            return False
+        # A prefill-time policy on a prompt within budget never compresses.
+        return self.policy.rolling or self.prefill_len > self.budget
+
+    def observed(self, q_positions: torch.Tensor) -> torch.Tensor:
+        """Bool mask over this step's queries (logical positions) to observe."""
+        mode = self.policy.observe
+        if not self.needs_attention:
+            return torch.zeros_like(q_positions, dtype=torch.bool)
+        if mode is Observe.WINDOW:
+            start = self.prefill_len - self.policy.window_queries()
+            return (q_positions >= start) & (q_positions < self.prefill_len)
+        if mode is Observe.LAST:
+            mask = torch.zeros_like(q_positions, dtype=torch.bool)
+            mask[-1] = True
+            return mask
+        return torch.ones_like(q_positions, dtype=torch.bool)
+
+    def append(self, q_positions: torch.Tensor) -> None:
+        """New tokens entered the cache (same positions in every layer/head)."""
+        new = q_positions.to(torch.int64).expand(self.num_kv_heads, -1)
+        for layer in range(self.num_layers):
+            self.positions[layer] = torch.cat([self.positions[layer], new], dim=1)
+
+    def key_positions(self, layer: int) -> torch.Tensor:
+        """[Hq, T] logical positions of the keys each query head attends."""
+        return self.positions[layer].repeat_interleave(self.group, dim=0)
+
+    def observe(self, layer: int, logits: torch.Tensor, q_positions: torch.Tensor) -> None:
+        """Accumulate the attention of observed queries.
+
+        logits: [Hq, n, T] scaled q.k over this layer's cached keys, already
+        masked with -inf where a query may not look (causality).
+        """
+        logits = self.policy.transform_logits(
+            logits, layer, q_positions, self.key_positions(layer), self.num_compressions
+        )
+        probs = torch.softmax(logits.to(torch.float32), dim=-1)
+        num_tokens = probs.shape[-1]
+        acc = self.attention[layer]
+        if acc is None or self.policy.observe is Observe.LAST:
+            acc = probs.new_zeros(probs.shape[0], num_tokens)
+        elif acc.shape[-1] < num_tokens:
+            acc = torch.nn.functional.pad(acc, (0, num_tokens - acc.shape[-1]))
+        if self.policy.observe is Observe.LAST:
+            acc += probs[:, -1]
+        else:
+            acc += probs.sum(dim=1)
+        self.attention[layer] = acc
+
+    # ------------------------------------------------------------ compacting
+
+    def select(self, layer: int, keep: int) -> torch.Tensor:
+        """[Hkv, keep] ascending physical indices this layer keeps per head."""
+        positions = self.positions[layer]
+        acc = self.attention[layer]
+        if acc is not None and acc.shape[-1] < positions.shape[-1]:
+            acc = torch.nn.functional.pad(acc, (0, positions.shape[-1] - acc.shape[-1]))
+        obs = Observation(
+            attention=None if acc is None else acc.clone(),
+            positions=positions,
+            num_kv_heads=self.num_kv_heads,
+            layer=layer,
+            num_layers=self.num_layers,
+            num_compressions=self.num_compressions,
+        )
+        scores = self.policy.score(obs)
+        sinks, recent = self.policy.protected(keep)
+        return select_keep(scores, positions, keep, sinks, recent)
+
+    def compact(self, layer: int, keep_idx: torch.Tensor) -> None:
+        """Move this layer's bookkeeping the way its K/V were moved."""
+        self.positions[layer] = torch.gather(self.positions[layer], 1, keep_idx)
+        acc = self.attention[layer]
+        if acc is not None:
+            if acc.shape[-1] < keep_idx.max().item() + 1:
+                acc = torch.nn.functional.pad(acc, (0, keep_idx.max().item() + 1 - acc.shape[-1]))
+            q_idx = keep_idx.repeat_interleave(self.group, dim=0)
+            self.attention[layer] = torch.gather(acc, 1, q_idx)
+
+    def finish_compaction(self) -> None:
+        self.num_compressions += 1
+        if not self.policy.rolling:
+            self.attention = [None] * self.num_layers  # never needed again

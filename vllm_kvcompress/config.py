@@ -1,0 +1,189 @@
+"""KVCompressConfig: the one validated configuration.
+
+The same type is built from CLI flags, `LLM(kv_compress=...)` keywords, a YAML
+recipe, `additional_config={"kv_compress": {...}}` and per-request
+`extra_args`, always through `from_dict`, so every entry point rejects the same
+mistakes with the same message.
+
+The dictionary form is flat: the common keys below plus the chosen policy's
+own parameters (the fields of its dataclass), e.g.
+`{"policy": "snapkv", "budget": 256, "window": 32}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .policies import POLICIES, Policy
+
+CONFIG_KEY = "kv_compress"  # key inside vLLM's additional_config / extra_args
+COMMON_FIELDS = ("policy", "budget", "compression_ratio", "interval")
+
+
+class KVCompressConfigError(ValueError):
+    """A configuration value that cannot be served; the message names the field."""
+
+
+def _fail(name: str, problem: str) -> KVCompressConfigError:
+    return KVCompressConfigError(f"{CONFIG_KEY}.{name}: {problem}")
+
+
+def policy_params(policy: str) -> dict[str, dataclasses.Field]:
+    """The parameters (dataclass fields) of a registered policy, by name."""
+    return {f.name: f for f in dataclasses.fields(POLICIES[policy])}
+
+
+def all_policy_params() -> dict[str, dict[str, Any]]:
+    """Every policy parameter name -> {policy name: default}, for CLI flags."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted(POLICIES):
+        for f in dataclasses.fields(POLICIES[name]):
+            out.setdefault(f.name, {})[name] = f.default
+    return out
+
+
+def _check_type(name: str, value: Any, expected: Any) -> Any:
+    """Accept `value` for a field annotated `expected` (int, float, str)."""
+    if expected in (float, "float") and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    py_type = {"int": int, "float": float, "str": str, "bool": bool}.get(expected, expected)
+    if isinstance(value, bool) and py_type is not bool:
+        ok = False
+    else:
+        ok = isinstance(value, py_type)
+    if not ok:
+        raise _fail(name, f"expected {py_type.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVCompressConfig:
+    """How a request's KV cache is compressed."""
+
+    policy: str = "none"
+    # Tokens kept per (layer, KV head) after compression, protected ones included.
+    budget: int | None = None
+    # kvpress convention: the fraction removed (0.75 keeps 25% of the prompt).
+    compression_ratio: float | None = None
+    # Rolling policies evict again once the cache has grown by this many tokens
+    # past the budget; None means one KV block (each eviction frees a block).
+    interval: int | None = None
+    # The policy's own parameters, validated against its dataclass fields.
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ building
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> KVCompressConfig:
+        """Validate a flat mapping; raise KVCompressConfigError on any mistake."""
+        data = dict(data or {})
+        policy = data.pop("policy", "none")
+        if policy is None:
+            policy = "none"
+        if not isinstance(policy, str) or policy not in POLICIES:
+            raise _fail("policy", f"unknown policy {policy!r}; valid policies: {sorted(POLICIES)}")
+        params = policy_params(policy)
+        common: dict[str, Any] = {}
+        for name, expected in (("budget", int), ("compression_ratio", float), ("interval", int)):
+            value = data.pop(name, None)
+            common[name] = None if value is None else _check_type(name, value, expected)
+        unknown = sorted(k for k in data if k not in params)
+        if unknown:
+            raise _fail(
+                unknown[0],
+                f"unknown field for policy {policy!r}; valid fields: "
+                f"{list(COMMON_FIELDS) + sorted(params)}",
+            )
+        typed = {k: _check_type(k, v, params[k].type) for k, v in data.items() if v is not None}
+        config = cls(policy=policy, params=typed, **common)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> KVCompressConfig:
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, Mapping):
+            raise KVCompressConfigError(f"{path}: a kv_compress recipe must be a YAML mapping")
+        # Recipes may nest everything under `kv_compress:`.
+        if set(data) == {CONFIG_KEY}:
+            data = data[CONFIG_KEY]
+        return cls.from_dict(data)
+
+    def merged(self, overrides: Mapping[str, Any]) -> KVCompressConfig:
+        """This config with `overrides` applied (e.g. a request's extra_args).
+
+        Switching policy drops the old policy's parameters; giving `budget`
+        drops an inherited `compression_ratio` and vice versa.
+        """
+        overrides = dict(overrides)
+        base = self.to_dict()
+        if overrides.get("policy", self.policy) != self.policy:
+            base = {k: base[k] for k in ("budget", "compression_ratio", "interval") if k in base}
+        if "budget" in overrides:
+            base.pop("compression_ratio", None)
+        if "compression_ratio" in overrides:
+            base.pop("budget", None)
+        return KVCompressConfig.from_dict({**base, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"policy": self.policy}
+        for name in ("budget", "compression_ratio", "interval"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        out.update(self.params)
+        return out
+
+    # ------------------------------------------------------------ checking
+
+    def validate(self) -> None:
+        policy = self.make_policy()  # runs the policy's own field checks
+        if self.interval is not None and self.interval < 1:
+            raise _fail("interval", f"must be >= 1 token, got {self.interval}")
+        if not self.enabled:
+            if self.budget is not None or self.compression_ratio is not None:
+                raise _fail("policy", "a budget or compression_ratio needs a policy other than 'none'")
+            return
+        if (self.budget is None) == (self.compression_ratio is None):
+            raise _fail(
+                "budget",
+                f"policy {self.policy!r} needs exactly one of budget (tokens kept) "
+                "or compression_ratio (fraction removed, in [0, 1))",
+            )
+        if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
+            raise _fail("compression_ratio", f"must be in [0, 1), got {self.compression_ratio}")
+        if self.budget is not None and self.budget < policy.min_budget():
+            raise _fail(
+                "budget",
+                f"{self.budget} is below the {policy.min_budget()} tokens that policy "
+                f"{self.policy!r} always keeps (protected sinks/window); use a budget "
+                f">= {policy.min_budget()} or shrink the protected tokens",
+            )
+
+    # ------------------------------------------------------------ using
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "none"
+
+    def make_policy(self) -> Policy:
+        try:
+            policy = POLICIES[self.policy](**self.params)
+            policy.validate()
+        except ValueError as e:  # the policy names its own field
+            raise KVCompressConfigError(f"{CONFIG_KEY}: {e}") from None
+        return policy
+
+    def resolve_budget(self, prompt_len: int, min_budget: int) -> int:
+        """Tokens kept for a request with `prompt_len` prompt tokens."""
+        if self.budget is not None:
+            return self.budget
+        removed = math.floor(prompt_len * self.compression_ratio)
+        return max(prompt_len - removed, min_budget)

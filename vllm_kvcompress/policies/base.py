@@ -1,0 +1,147 @@
+"""What every policy shares: the protocol, the registry, and token selection.
+
+A policy is a small dataclass. Its fields are its parameters (they become
+`--kv-compress-<field>` flags and YAML keys); `score()` turns what the engine
+observed of one layer of one request into a score per (KV head, cached token).
+Budgets, protected tokens, selection and compaction are shared and live here or
+in the planner, so a new policy is one short file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+class Observe(enum.Enum):
+    """Which queries' attention a policy accumulates while the request runs."""
+
+    NOTHING = "nothing"  # scores from positions (or chance) alone
+    WINDOW = "window"  # the last `window` prompt queries (SnapKV family)
+    ALL = "all"  # every query, prompt and decode, summed (H2O family)
+    LAST = "last"  # only the newest query; each step replaces the last (TOVA)
+
+
+@dataclass
+class Observation:
+    """What a policy sees of one layer of one request when it is compressed."""
+
+    # [num_q_heads, T] accumulated attention (float32), None for Observe.NOTHING.
+    attention: torch.Tensor | None
+    # [num_kv_heads, T] logical (RoPE) positions of the cached tokens, in
+    # physical order (heads may have kept different tokens).
+    positions: torch.Tensor
+    num_kv_heads: int
+    layer: int
+    num_layers: int
+    # Compressions this request already had (Keyformer's temperature schedule).
+    num_compressions: int
+
+
+class Policy:
+    """Base class of every policy. Subclasses are dataclasses."""
+
+    name: ClassVar[str]
+    observe: ClassVar[Observe] = Observe.NOTHING
+    # True: evict again during decoding whenever the cache outgrows the budget
+    # by `interval` tokens. False: compress once, at the end of prefill.
+    rolling: ClassVar[bool] = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for impossible parameter values."""
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        """(sink tokens, recent tokens) that are never evicted at this budget."""
+        return 0, 0
+
+    def min_budget(self) -> int:
+        """Smallest budget that still holds every protected token."""
+        return 1
+
+    def window_queries(self) -> int:
+        """How many trailing prompt queries Observe.WINDOW accumulates."""
+        return 0
+
+    def transform_logits(
+        self, logits: torch.Tensor, layer: int, q_pos: torch.Tensor,
+        k_pos: torch.Tensor, num_compressions: int,
+    ) -> torch.Tensor:
+        """Logits [Hq, Tq, Tk] -> logits fed to the accumulated softmax.
+
+        q_pos: [Tq] logical positions of the queries; k_pos: [Hq, Tk] logical
+        positions of the keys each query head sees.
+        """
+        return logits
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """[num_kv_heads, T] float scores; the lowest are evicted."""
+        raise NotImplementedError
+
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register_policy(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make a policy available by its `name`."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"policy {cls.__name__} must be a dataclass")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def reduce_gqa(attention: torch.Tensor, num_kv_heads: int, mode: str) -> torch.Tensor:
+    """[Hq, T] -> [Hkv, T]: reduce each group's query heads (mean or max).
+
+    Scores are per KV head because that is what is stored; K/V are never
+    repeated per query head.
+    """
+    grouped = attention.view(num_kv_heads, -1, attention.shape[-1])
+    return grouped.amax(dim=1) if mode == "max" else grouped.mean(dim=1)
+
+
+_MASK31 = (1 << 31) - 1
+
+
+def hash_uniform(seed: int, *index: torch.Tensor) -> torch.Tensor:
+    """Deterministic uniforms in (0, 1) from integer coordinates.
+
+    Random policies (random, Keyformer's Gumbel noise) must draw the same number
+    for the same (layer, head, position) in the engine and in the reference, no
+    matter how the cache is laid out or batched, so noise is a hash of logical
+    coordinates rather than a generator's stream. Products stay below 2**62:
+    no int64 overflow.
+    """
+    x = torch.tensor(seed & _MASK31, dtype=torch.int64)
+    for i in index:
+        x = (x * 1_000_003 + i.to(torch.int64)) & _MASK31
+        x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & _MASK31
+        x = ((x ^ (x >> 12)) * 0x297A2D39) & _MASK31
+        x = x ^ (x >> 15)
+    return (x.to(torch.float64) + 0.5) / float(1 << 31)
+
+
+def select_keep(
+    scores: torch.Tensor, positions: torch.Tensor, keep: int, sinks: int, recent: int
+) -> torch.Tensor:
+    """Indices [Hkv, keep] (ascending) of the cached tokens each head keeps.
+
+    scores, positions: [Hkv, T]. Protected tokens (logical position < sinks,
+    or among the `recent` newest) are always kept; the rest of the budget goes
+    to the highest scores.
+    """
+    num_tokens = scores.shape[-1]
+    if keep >= num_tokens:
+        return torch.arange(num_tokens).expand(scores.shape[0], -1).clone()
+    protected = positions < sinks
+    if recent > 0:
+        protected[:, -recent:] = True
+    ranked = scores.to(torch.float32).masked_fill(protected, float("inf"))
+    idx = torch.topk(ranked, keep, dim=-1, sorted=False).indices
+    return idx.sort(dim=-1).values

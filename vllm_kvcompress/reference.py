@@ -1,0 +1,123 @@
+"""Plain-torch reference decoder: the test oracle for the vLLM integration.
+
+A Llama forward pass written out with an explicit, dense KV cache per layer
+(`[num_kv_heads, T, head_dim]`, keys after RoPE). Attention probabilities are
+computed explicitly, used for the output and, for the queries the policy
+observes, fed to the same `RequestCompression` bookkeeping the worker uses.
+Compressions happen exactly when the planner says (the scheduler's state
+machine), so greedy tokens must equal vLLM's with the plugin.
+
+It shares with the engine only the policy math and the planner; attention,
+RoPE, caching and compaction are independent code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compression import RequestCompression
+from .config import KVCompressConfig
+from .planner import RequestState
+
+
+class ReferenceDecoder:
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        cfg = self.model.config
+        if cfg.model_type not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"reference decoder supports Llama-like models, not {cfg.model_type}")
+        self.num_layers = cfg.num_hidden_layers
+        self.num_q_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.head_dim ** -0.5
+
+    # ------------------------------------------------------------ model
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [H, n, D] rotated to logical `positions` [n] (HF's rotate_half form)."""
+        cos, sin = self.model.model.rotary_emb(x, positions.view(1, -1))
+        cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)  # [n, D]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.no_grad()
+    def _forward(self, tokens: list[int], positions: torch.Tensor, cache, state) -> torch.Tensor:
+        """Run `tokens` at logical `positions`; append to `cache`; return last logits."""
+        m = self.model.model
+        x = m.embed_tokens(torch.tensor(tokens)).to(self.model.dtype)  # [n, hidden]
+        n = len(tokens)
+        observed = state.observed(positions) if state is not None else None
+        if state is not None:
+            state.append(positions)
+        for layer_idx, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(n, self.num_q_heads, self.head_dim).transpose(0, 1)
+            k = attn.k_proj(h).view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
+            v = attn.v_proj(h).view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
+            q, k = self._rope(q, positions), self._rope(k, positions)
+            keys, values = cache[layer_idx]
+            keys, values = torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1)
+            cache[layer_idx] = (keys, values)
+            total = keys.shape[1]
+            group = self.num_q_heads // self.num_kv_heads
+            k_rep = keys.repeat_interleave(group, dim=0)
+            v_rep = values.repeat_interleave(group, dim=0)
+            logits = (q @ k_rep.transpose(1, 2)) * self.scale  # [Hq, n, T]
+            # Query i sits at physical slot total - n + i and sees slots <= it.
+            visible = torch.arange(total).view(1, -1) <= (total - n + torch.arange(n)).view(-1, 1)
+            logits = logits.masked_fill(~visible, float("-inf"))
+            probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
+            out = (probs @ v_rep).transpose(0, 1).reshape(n, -1)
+            x = x + attn.o_proj(out)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if observed is not None and observed.any():
+                state.observe(layer_idx, logits[:, observed].float(), positions[observed])
+        x = m.norm(x[-1:])
+        return self.model.lm_head(x)[0].float()
+
+    def _empty_cache(self):
+        empty = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.model.dtype)
+        return [(empty, empty) for _ in range(self.num_layers)]
+
+    # ------------------------------------------------------------ decoding
+
+    def generate(
+        self, prompt: list[int], max_new_tokens: int, config: KVCompressConfig | None = None,
+        block_size: int = 32,
+    ) -> dict:
+        """Greedy tokens with the policy applied on the planner's schedule.
+
+        Returns tokens, the kept logical positions per layer at the end, and
+        the physical cache length after every compression.
+        """
+        config = config or KVCompressConfig()
+        cache = self._empty_cache()
+        plan = RequestState.create(config, len(prompt))
+        state = None
+        if config.enabled:
+            state = RequestCompression(config, len(prompt), self.num_layers, self.num_kv_heads, self.num_q_heads)
+        logits = self._forward(prompt, torch.arange(len(prompt)), cache, state)
+        tokens = [int(logits.argmax())]
+        lengths = []
+        while len(tokens) < max_new_tokens:
+            logical = len(prompt) + len(tokens) - 1  # tokens whose KV is cached
+            target = plan.next_compression(logical, plan.interval(block_size))
+            if target is not None:
+                for layer in range(self.num_layers):
+                    keep = state.select(layer, target)
+                    keys, values = cache[layer]
+                    idx = keep.unsqueeze(-1).expand(-1, -1, self.head_dim)
+                    cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
+                    state.compact(layer, keep)
+                state.finish_compaction()
+                plan.commit(logical, target)
+                lengths.append(target)
+            logits = self._forward([tokens[-1]], torch.tensor([logical]), cache, state)
+            tokens.append(int(logits.argmax()))
+        kept = [state.positions[i].clone() for i in range(self.num_layers)] if state else None
+        return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths}

@@ -1,0 +1,1 @@
+"""The only code that imports vLLM internals. See patches.py for the full list."""

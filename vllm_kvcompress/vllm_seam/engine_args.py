@@ -1,0 +1,185 @@
+"""Engine arguments: CLI flags, `LLM(kv_compress=...)` keywords, startup checks.
+
+All three routes end in `additional_config["kv_compress"]`, a plain dict that
+vLLM pickles into the engine core and every worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, all_policy_params
+from ..policies import POLICIES
+
+logger = logging.getLogger("vllm_kvcompress")
+
+SCHEDULER_CLS = "vllm_kvcompress.vllm_seam.scheduler.KVCompressScheduler"
+GROUP = "KVCompress"
+
+# CLI flag suffix / keyword suffix -> config field.
+_COMMON_OPTIONS = {
+    "budget": ("budget", int, "tokens kept per (layer, KV head), protected tokens included"),
+    "ratio": ("compression_ratio", float, "fraction of the prompt removed, in [0, 1) (kvpress convention)"),
+    "interval": ("interval", int, "rolling policies evict again after this many new tokens (default: one KV block)"),
+}
+
+
+def _param_options() -> dict[str, tuple[str, type, str]]:
+    """One option per policy parameter, help listing each policy's default."""
+    out = {}
+    for name, defaults in all_policy_params().items():
+        policy_cls = POLICIES[next(iter(defaults))]
+        f = policy_cls.__dataclass_fields__[name]
+        shown = ", ".join(f"{p} {d}" for p, d in defaults.items())
+        choices = f.metadata.get("choices")
+        text = f.metadata.get("help", name) + (f" {{{', '.join(choices)}}}" if choices else "")
+        out[name.replace("_", "-")] = (name, f.type, f"{text} (default: {shown})")
+    return out
+
+
+def options() -> dict[str, tuple[str, type, str]]:
+    """flag suffix -> (config field, type, help) for every --kv-compress-* flag."""
+    return {**_COMMON_OPTIONS, **_param_options()}
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_kv_compress_args(parser: argparse.ArgumentParser) -> None:
+    if any(g.title == GROUP for g in parser._action_groups):
+        return  # vLLM builds several parsers; each gets the group once
+    group = parser.add_argument_group(
+        GROUP, "KV-cache compression (vllm-kvcompress). Evicted tokens' blocks return to vLLM's pool."
+    )
+    group.add_argument(
+        "--kv-compress", dest="kv_compress", default=None, choices=sorted(POLICIES),
+        metavar="POLICY",
+        help=f"compression policy, one of {sorted(POLICIES)}; 'none' installs the plugin without compressing",
+    )
+    group.add_argument(
+        "--kv-compress-config", dest="kv_compress_config", default=None, metavar="FILE.yaml",
+        help="YAML recipe (see recipes/); flags given on the command line override it",
+    )
+    for suffix, (field, type_, text) in options().items():
+        group.add_argument(f"--kv-compress-{suffix}", dest=f"kv_compress_{field}", type=type_,
+                           default=None, help=text)
+
+
+def config_from_options(values: dict[str, Any]) -> dict[str, Any] | None:
+    """`kv_compress`, `kv_compress_config`, `kv_compress_<field>` -> config dict.
+
+    `kv_compress` is a policy name (CLI) or, from Python, a dict or a
+    KVCompressConfig. Field options override the recipe file. Returns None
+    when no option was given: the plugin then stays inert.
+    """
+    policy = values.pop("kv_compress", None)
+    recipe = values.pop("kv_compress_config", None)
+    overrides = {k[len("kv_compress_"):]: v for k, v in values.items() if v is not None}
+    if policy is None and recipe is None and not overrides:
+        return None
+    if isinstance(policy, KVCompressConfig):
+        base = policy
+    elif isinstance(policy, Mapping):
+        base = KVCompressConfig.from_dict(policy)
+    elif recipe is not None:
+        base = KVCompressConfig.from_yaml(recipe)
+    else:
+        base = KVCompressConfig()
+    if isinstance(policy, str):
+        overrides = {"policy": policy, **overrides}
+    return (base.merged(overrides) if overrides else base).to_dict()
+
+
+def wrap_add_cli_args(original):
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original(parser, *args, **kwargs)
+        add_kv_compress_args(parser)
+        return parser
+
+    return add_cli_args
+
+
+def wrap_from_cli_args(original):
+    def from_cli_args(cls, args: argparse.Namespace):
+        engine_args = original(cls, args)
+        values = {k: v for k, v in vars(args).items() if k.startswith("kv_compress")}
+        config = config_from_options(values)
+        if config is not None:
+            engine_args.additional_config = {**(engine_args.additional_config or {}), CONFIG_KEY: config}
+        return engine_args
+
+    return from_cli_args
+
+
+def wrap_init(original):
+    def __init__(self, *args, **kwargs):
+        ours = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("kv_compress")}
+        original(self, *args, **kwargs)
+        config = config_from_options(ours)
+        if config is not None:
+            self.additional_config = {**(self.additional_config or {}), CONFIG_KEY: config}
+
+    return __init__
+
+
+# ---------------------------------------------------------------- startup checks
+
+
+def _refuse(what: str) -> KVCompressConfigError:
+    return KVCompressConfigError(f"kv_compress cannot be served with {what}; turn one of them off")
+
+
+def prepare_engine_args(args) -> KVCompressConfig | None:
+    """Validate the config and make the engine safe for compression, or refuse."""
+    raw = (args.additional_config or {}).get(CONFIG_KEY)
+    if raw is None:
+        return None
+    config = raw if isinstance(raw, KVCompressConfig) else KVCompressConfig.from_dict(raw)
+    args.additional_config = {**args.additional_config, CONFIG_KEY: config.to_dict()}
+    if args.speculative_config:
+        raise _refuse("speculative decoding (drafts are written at logical slots)")
+    if args.kv_transfer_config:
+        raise _refuse("a KV connector (it addresses blocks by logical position)")
+    if args.pipeline_parallel_size > 1 or args.data_parallel_size > 1 or args.tensor_parallel_size > 1:
+        raise _refuse("tensor/pipeline/data parallelism (single-worker only so far)")
+    if args.scheduler_cls not in (None, SCHEDULER_CLS) and "vllm.v1.core.sched" not in str(args.scheduler_cls):
+        raise _refuse(f"a custom scheduler_cls ({args.scheduler_cls})")
+    if args.enable_prefix_caching:
+        logger.warning("kv_compress: prefix caching turned off: compacted blocks no longer "
+                       "hold the tokens their hashes name, so sharing them would corrupt other requests")
+    args.enable_prefix_caching = False
+    if args.async_scheduling:
+        logger.warning("kv_compress: async scheduling turned off: blocks are freed and compacted "
+                       "between synchronous steps")
+    args.async_scheduling = False
+    args.scheduler_cls = SCHEDULER_CLS
+    # The hooks target the V1 model runner; spawned workers inherit this.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    return config
+
+
+def check_model(vllm_config) -> None:
+    """Refuse model kinds whose KV cache is not one full-attention group."""
+    model = vllm_config.model_config
+    if model.use_mla:
+        raise _refuse("an MLA model (latent KV cache layout)")
+    if model.is_hybrid or model.is_attention_free:
+        raise _refuse("a hybrid or attention-free model (several KV cache groups)")
+    if model.get_sliding_window() is not None:
+        raise _refuse("a sliding-window model (its own eviction of old blocks)")
+
+
+def wrap_create_engine_config(original):
+    def create_engine_config(self, *args, **kwargs):
+        config = prepare_engine_args(self)
+        vllm_config = original(self, *args, **kwargs)
+        if config is not None:
+            check_model(vllm_config)
+            logger.info("kv_compress enabled: %s", config.to_dict())
+        return vllm_config
+
+    return create_engine_config

@@ -1,0 +1,107 @@
+"""Every vLLM symbol this plugin wraps, replaces or subclasses: the whole seam.
+
+Each entry names the symbol and says in one line why. `apply_all()` installs
+them once per process (vLLM calls the plugin in the API server, the engine
+core, each worker and a model-inspection subprocess). Wrappers are inert
+unless the engine was configured with `kv_compress`: with the plugin installed
+and no `--kv-compress`, vLLM behaves exactly as without it.
+
+Subclasses that vLLM instantiates for us (not patches):
+  - vllm.v1.core.sched.scheduler.Scheduler -> scheduler.KVCompressScheduler,
+    installed through `scheduler_cls` only when compression is configured.
+  - vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend/Impl ->
+    attention.KVCompressCPUBackend/Impl, registered for CPU_ATTN.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+VLLM_VERSION = "0.32.0"  # the version this seam was written and tested against
+
+
+@dataclass(frozen=True)
+class Patch:
+    module: str
+    owner: str  # class name inside module
+    attr: str
+    make: Callable[[Any], Any]  # original -> replacement
+    why: str
+    kind: str = "method"  # method | staticmethod | classmethod
+
+
+def _patches() -> list[Patch]:
+    from . import engine_args, scheduler, worker
+
+    return [
+        Patch("vllm.engine.arg_utils", "EngineArgs", "add_cli_args", engine_args.wrap_add_cli_args,
+              "add the KVCompress flag group to every vLLM parser", "staticmethod"),
+        Patch("vllm.engine.arg_utils", "EngineArgs", "from_cli_args", engine_args.wrap_from_cli_args,
+              "fold --kv-compress-* flags into additional_config (from_cli_args copies fields only)",
+              "classmethod"),
+        Patch("vllm.engine.arg_utils", "EngineArgs", "__init__", engine_args.wrap_init,
+              "accept LLM(kv_compress=...) keywords (unknown fields raise TypeError otherwise)"),
+        Patch("vllm.engine.arg_utils", "AsyncEngineArgs", "__init__", engine_args.wrap_init,
+              "same for the async engine's arguments (a dataclass with its own __init__)"),
+        Patch("vllm.engine.arg_utils", "EngineArgs", "create_engine_config",
+              engine_args.wrap_create_engine_config,
+              "validate the config and refuse or make safe what compression cannot serve"),
+        Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states",
+              worker.wrap_update_states,
+              "compact evicted KV and truncate block tables before new block ids are appended"),
+        Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs",
+              worker.wrap_prepare_inputs,
+              "physical slot mapping and seq_lens; positions (RoPE) stay logical"),
+        Patch("vllm.v1.engine.core", "EngineCore", "kv_compress_stats", scheduler.make_engine_stats,
+              "a utility method so LLM/serve clients can read the scheduler's compression stats"),
+    ]
+
+
+_applied = False
+
+
+def check_vllm_version() -> str:
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(VLLM_VERSION):
+        raise RuntimeError(
+            f"vllm_kvcompress {VLLM_VERSION}-seam: installed vLLM is {version}; this plugin "
+            f"hooks vLLM internals and was written for vLLM {VLLM_VERSION} only"
+        )
+    return version
+
+
+def apply_all() -> None:
+    """Install every patch once in this process."""
+    global _applied
+    if _applied:
+        return
+    check_vllm_version()
+    for p in _patches():
+        owner = getattr(importlib.import_module(p.module), p.owner)
+        raw = owner.__dict__.get(p.attr)
+        if p.kind == "staticmethod":
+            new = staticmethod(p.make(raw.__func__))
+        elif p.kind == "classmethod":
+            new = classmethod(p.make(raw.__func__))
+        else:
+            new = p.make(raw)
+            if raw is not None:
+                functools.update_wrapper(new, raw)
+        setattr(owner, p.attr, new)
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from . import attention
+
+        attention.register_backend()
+    _applied = True
+
+
+def describe() -> str:
+    """One line per patch, for logs and the README."""
+    return "\n".join(f"{p.module}.{p.owner}.{p.attr}: {p.why}" for p in _patches())

@@ -1,0 +1,134 @@
+"""Scheduler side (EngineCore process): decide compressions, free blocks.
+
+Before vLLM schedules a step, every running request past prefill asks the
+planner whether to compress; if so its tail blocks go back to the block pool
+at once, so this very step can hand them to other requests. Allocation then
+follows the *physical* length. The step's plan rides to the workers as an
+attribute of SchedulerOutput (a pickled dataclass); the workers compact the
+cache before anything is written to the freed blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError
+from ..planner import RequestState, cdiv
+from ..accounting import PLAN_ATTR, CompressionStats, StepPlan
+
+logger = logging.getLogger("vllm_kvcompress")
+
+
+
+class KVCompressScheduler(Scheduler):
+    """vLLM's V1 scheduler plus physical-length bookkeeping for compression."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise KVCompressConfigError(
+                f"kv_compress supports models with one KV cache group, this one has {len(groups)}"
+            )
+        self.kvc_config = KVCompressConfig.from_dict(self.vllm_config.additional_config[CONFIG_KEY])
+        self.kvc_block_size = groups[0].kv_cache_spec.block_size
+        self.kvc_states: dict[str, RequestState] = {}
+        self.kvc_stats = CompressionStats(total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
+        self._kvc_started: dict[str, tuple[int, dict]] = {}
+        # Allocation must count physical slots. Wrapping this instance's method
+        # (not the class) keeps other engines in the process untouched.
+        allocate = self.kv_cache_manager.allocate_slots
+
+        def allocate_physical(request, *args, **kwargs):
+            state = self.kvc_states.get(request.request_id)
+            if state is None or state.num_evicted == 0:
+                return allocate(request, *args, **kwargs)
+            logical = request.num_computed_tokens
+            request.num_computed_tokens = logical - state.num_evicted
+            try:
+                return allocate(request, *args, **kwargs)
+            finally:
+                request.num_computed_tokens = logical
+
+        self.kv_cache_manager.allocate_slots = allocate_physical
+
+    # ---------------------------------------------------------------- steps
+
+    def _request_state(self, request) -> RequestState:
+        state = self.kvc_states.get(request.request_id)
+        if state is None:
+            extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
+            overrides = extra.get(CONFIG_KEY)
+            config = self.kvc_config.merged(overrides) if overrides else self.kvc_config
+            # A resumed (preempted) request re-prefills its outputs too.
+            prefill_len = max(request.num_prompt_tokens, request.num_tokens - 1)
+            state = RequestState.create(config, prefill_len)
+            self.kvc_states[request.request_id] = state
+            self._kvc_started[request.request_id] = (prefill_len, config.to_dict())
+            self.kvc_stats.start(request.request_id, prefill_len, config.policy)
+        return state
+
+    def _plan_compressions(self) -> list[tuple[str, int, int]]:
+        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        pool = self.kv_cache_manager.block_pool
+        ops = []
+        for request in self.running:
+            state = self._request_state(request)
+            logical = request.num_computed_tokens
+            target = state.next_compression(logical, state.interval(self.kvc_block_size))
+            if target is None:
+                continue
+            old = state.physical(logical)
+            blocks = manager.req_to_blocks[request.request_id]
+            keep_blocks = cdiv(target, self.kvc_block_size)
+            tail = blocks[keep_blocks:]
+            del blocks[keep_blocks:]
+            pool.free_blocks(reversed(tail))
+            state.commit(logical, target)
+            self.kvc_stats.compressed(request.request_id, old, target, len(tail), keep_blocks)
+            ops.append((request.request_id, old, target))
+        return ops
+
+    def schedule(self, *args, **kwargs):
+        ops = self._plan_compressions()
+        output = super().schedule(*args, **kwargs)
+        # New and resumed requests get their state in the step that prefills
+        # them: the workers observe prompt queries from the first chunk on.
+        for rid in output.num_scheduled_tokens:
+            self._request_state(self.requests[rid])
+        # A request preempted in this step already gave back all its blocks;
+        # its state (and any op) is gone.
+        ops = [op for op in ops if op[0] in self.kvc_states]
+        started = {rid: v for rid, v in self._kvc_started.items() if rid in self.kvc_states}
+        self._kvc_started.clear()
+        evicted = {
+            rid: self.kvc_states[rid].num_evicted
+            for rid in output.num_scheduled_tokens
+            if rid in self.kvc_states
+        }
+        setattr(output, PLAN_ATTR, StepPlan(started=started, ops=ops, evicted=evicted))
+        return output
+
+    def _free_request_blocks(self, request) -> None:
+        # Preemption and finish both end here: the request's cache is gone.
+        super()._free_request_blocks(request)
+        self.kvc_states.pop(request.request_id, None)
+        self._kvc_started.pop(request.request_id, None)
+        self.kvc_stats.finish(request.request_id, preempted=not request.is_finished())
+
+    # ---------------------------------------------------------------- stats
+
+    def kv_compress_stats(self) -> dict:
+        return self.kvc_stats.snapshot(free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def make_engine_stats(_original):
+    """EngineCore.kv_compress_stats: reachable through the client's utility calls."""
+
+    def kv_compress_stats(self) -> dict | None:
+        stats = getattr(self.scheduler, "kv_compress_stats", None)
+        return stats() if stats is not None else None
+
+    return kv_compress_stats

@@ -1,0 +1,220 @@
+"""Worker side: compaction, physical slots, and query observation.
+
+Per step, around vLLM's V1 GPUModelRunner (also the CPU runner's base):
+  _update_states (before): drop ended requests, start new ones, run the
+      step's compactions (every layer, per KV head), truncate block tables;
+  _prepare_inputs (after): slot mapping and seq_lens become physical,
+      positions (RoPE) stay logical; publish which queries to observe;
+  attention forward (attention.py): feed observed queries' scores.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import numpy as np
+import torch
+
+from ..cache_layout import CPUAttnLayout
+from ..compression import RequestCompression
+from ..config import CONFIG_KEY, KVCompressConfig
+from ..planner import cdiv
+from ..accounting import PLAN_ATTR, StepPlan
+
+logger = logging.getLogger("vllm_kvcompress")
+
+QUERY_CHUNK = 512  # observed queries scored at once (bounds the [Hq, n, T] logits)
+
+
+def layer_index(layer_name: str) -> int:
+    match = re.search(r"\.(\d+)\.", layer_name)
+    if match is None:
+        raise ValueError(f"kv_compress: cannot find a layer index in {layer_name!r}")
+    return int(match.group(1))
+
+
+class StepObservation:
+    """Which queries of the running step feed which request's scores."""
+
+    def __init__(self, worker: WorkerCompression) -> None:
+        self.worker = worker
+        # (state, batch token indices, logical positions, physical positions, seq_len, block ids)
+        self.items: list[tuple] = []
+        self.layers_seen = 0
+
+    def observe(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        layer = self.worker.layer_of[layer_name]
+        for state, token_idx, q_log, q_phys, seq_len, block_ids in self.items:
+            keys = self.worker.layout.gather_keys(kv_cache, block_ids, seq_len).to(torch.float32)
+            hkv, _, d = keys.shape
+            key_pos = torch.arange(seq_len)
+            for start in range(0, len(token_idx), QUERY_CHUNK):
+                sl = slice(start, start + QUERY_CHUNK)
+                q = query[token_idx[sl]].to(torch.float32)  # [n, Hq, D]
+                n = q.shape[0]
+                q = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*n, D]
+                logits = torch.bmm(q, keys.transpose(1, 2)).view(-1, n, seq_len) * self.worker.scale
+                logits.masked_fill_(key_pos.view(1, 1, -1) > q_phys[sl].view(1, -1, 1), float("-inf"))
+                state.observe(layer, logits, q_log[sl])
+        self.layers_seen += 1
+        if self.layers_seen == self.worker.num_layers:
+            set_active(None)  # a later warm-up or dummy run must not observe
+
+
+class WorkerCompression:
+    """Compression state of one model runner."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.config = KVCompressConfig.from_dict(runner.vllm_config.additional_config[CONFIG_KEY])
+        context = runner.compilation_config.static_forward_context
+        attn_layers = {name: m for name, m in context.items() if hasattr(m, "kv_cache") and hasattr(m, "impl")}
+        self.layer_of = {name: layer_index(name) for name in attn_layers}
+        order = sorted(attn_layers, key=self.layer_of.__getitem__)
+        if [self.layer_of[n] for n in order] != list(range(len(order))):
+            raise RuntimeError(f"kv_compress: unexpected attention layer names {order}")
+        self.layers = [attn_layers[n] for n in order]
+        first = self.layers[0]
+        self.num_layers = len(order)
+        self.num_kv_heads = first.num_kv_heads
+        self.num_q_heads = first.num_heads
+        self.scale = first.impl.scale
+        groups = runner.kv_cache_config.kv_cache_groups
+        self.block_size = groups[0].kv_cache_spec.block_size
+        table = runner.input_batch.block_table[0]
+        if table.block_size != self.block_size:
+            raise RuntimeError(
+                f"kv_compress: kernel block size {table.block_size} differs from the KV manager's "
+                f"{self.block_size}; choose --block-size as a multiple of 32 that the backend uses as is"
+            )
+        self.layout = CPUAttnLayout
+        self.states: dict[str, RequestCompression] = {}
+        self.evicted: dict[str, int] = {}
+
+    def kv_cache(self, layer: int) -> torch.Tensor:
+        return self.layers[layer].kv_cache
+
+    # ------------------------------------------------------------ _update_states
+
+    def before_update_states(self, so) -> None:
+        set_active(None)
+        plan: StepPlan = getattr(so, PLAN_ATTR, None) or StepPlan()
+        for rid in so.finished_req_ids:
+            self.states.pop(rid, None)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            self.states.pop(rid, None)
+        for rid, (prefill_len, config) in plan.started.items():
+            self.states[rid] = RequestCompression(
+                KVCompressConfig.from_dict(config), prefill_len,
+                self.num_layers, self.num_kv_heads, self.num_q_heads,
+            )
+        for rid, old_len, new_len in plan.ops:
+            self.compact(rid, old_len, new_len)
+        self.evicted = plan.evicted
+
+    def compact(self, rid: str, old_len: int, new_len: int) -> None:
+        state = self.states[rid]
+        block_ids = self.runner.requests[rid].block_ids[0]
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        for layer in range(self.num_layers):
+            if state.positions[layer].shape[-1] != old_len:
+                raise RuntimeError(
+                    f"kv_compress: request {rid} layer {layer} tracks "
+                    f"{state.positions[layer].shape[-1]} tokens, scheduler says {old_len}"
+                )
+            keep_idx = state.select(layer, new_len)
+            self.layout.compact(self.kv_cache(layer), ids, keep_idx)
+            state.compact(layer, keep_idx)
+        state.finish_compaction()
+        keep_blocks = cdiv(new_len, self.block_size)
+        del block_ids[keep_blocks:]
+        row = self.runner.input_batch.req_id_to_index.get(rid)
+        if row is not None:
+            table = self.runner.input_batch.block_table[0]
+            table.clear_row(row)
+            table.add_row(block_ids, row)
+
+    # ------------------------------------------------------------ _prepare_inputs
+
+    def after_prepare_inputs(self, so, num_scheduled_tokens: np.ndarray) -> None:
+        runner = self.runner
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        req_ids = batch.req_ids[:num_reqs]
+        total = int(num_scheduled_tokens.sum())
+        starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
+        offsets = np.array([self.evicted.get(rid, 0) for rid in req_ids], dtype=np.int64)
+        positions = runner.positions[:total]
+        physical = positions
+        if offsets.any():
+            per_token = torch.from_numpy(np.repeat(offsets, num_scheduled_tokens))
+            physical = positions - per_token.to(positions.device)
+            batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], physical)
+            off = torch.from_numpy(offsets).to(torch.int32)
+            runner.seq_lens[:num_reqs] -= off.to(runner.seq_lens.device, runner.seq_lens.dtype)
+            runner.optimistic_seq_lens_cpu[:num_reqs] -= off.to(runner.optimistic_seq_lens_cpu.dtype)
+        step = StepObservation(self)
+        for i, rid in enumerate(req_ids):
+            state = self.states.get(rid)
+            if state is None:
+                continue
+            sl = slice(int(starts[i]), int(starts[i]) + int(num_scheduled_tokens[i]))
+            q_log = positions[sl].cpu()
+            state.append(q_log)
+            mask = state.observed(q_log)
+            if mask.any():
+                token_idx = torch.arange(sl.start, sl.stop)[mask]
+                seq_len = int(physical[sl.stop - 1]) + 1
+                ids = torch.tensor(runner.requests[rid].block_ids[0], dtype=torch.int64)
+                step.items.append((state, token_idx, q_log[mask], physical[sl].cpu()[mask], seq_len, ids))
+        set_active(step if step.items else None)
+
+    # ------------------------------------------------------------ stats
+
+    def request_blocks(self) -> dict[str, int]:
+        return {rid: len(self.runner.requests[rid].block_ids[0]) for rid in self.states if rid in self.runner.requests}
+
+
+# The step whose queries the attention backend must observe (one model runner
+# per worker process).
+_active_step: StepObservation | None = None
+
+
+def set_active(step: StepObservation | None) -> None:
+    global _active_step
+    _active_step = step
+
+
+def active_observation() -> StepObservation | None:
+    return _active_step
+
+
+def _compression(runner) -> WorkerCompression | None:
+    """The runner's compression state, created on first use; None when off."""
+    kvc = runner.__dict__.get("_kv_compress", False)
+    if kvc is False:
+        enabled = CONFIG_KEY in (runner.vllm_config.additional_config or {})
+        kvc = runner._kv_compress = WorkerCompression(runner) if enabled else None
+    return kvc
+
+
+def wrap_update_states(original):
+    def _update_states(self, scheduler_output):
+        kvc = _compression(self)
+        if kvc is not None:
+            kvc.before_update_states(scheduler_output)
+        return original(self, scheduler_output)
+
+    return _update_states
+
+
+def wrap_prepare_inputs(original):
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        result = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        kvc = _compression(self)
+        if kvc is not None:
+            kvc.after_prepare_inputs(scheduler_output, num_scheduled_tokens)
+        return result
+
+    return _prepare_inputs
