@@ -438,7 +438,7 @@ def build_tiny_llama(
             initializer_range=init_std,
             rms_norm_eps=1e-5,
             rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-            # Untied: with tied embeddings a random model tends to echo its input token.
+            # Untied: a tied random head scores the input embedding itself and can echo tokens.
             tie_word_embeddings=False,
             bos_token_id=tok.bos_token_id,
             eos_token_id=tok.eos_token_id,

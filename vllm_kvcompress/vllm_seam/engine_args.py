@@ -15,7 +15,7 @@ from typing import Any
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, all_policy_params
 from ..policies import POLICIES
 
-logger = logging.getLogger("vllm_kvcompress")
+logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
 SCHEDULER_CLS = "vllm_kvcompress.vllm_seam.scheduler.KVCompressScheduler"
 GROUP = "KVCompress"
@@ -171,6 +171,8 @@ def check_model(vllm_config) -> None:
         raise _refuse("a hybrid or attention-free model (several KV cache groups)")
     if model.get_sliding_window() is not None:
         raise _refuse("a sliding-window model (its own eviction of old blocks)")
+    if vllm_config.use_v2_model_runner:
+        raise _refuse("Model Runner V2 (the hooks target the V1 runner; unset VLLM_USE_V2_MODEL_RUNNER)")
 
 
 def wrap_create_engine_config(original):

@@ -11,6 +11,7 @@ cache before anything is written to the freed blocks.
 from __future__ import annotations
 
 import logging
+import os
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -18,7 +19,7 @@ from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError
 from ..planner import RequestState, cdiv
 from ..accounting import PLAN_ATTR, CompressionStats, StepPlan
 
-logger = logging.getLogger("vllm_kvcompress")
+logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
 
 
@@ -37,6 +38,8 @@ class KVCompressScheduler(Scheduler):
         self.kvc_states: dict[str, RequestState] = {}
         self.kvc_stats = CompressionStats(total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
         self._kvc_started: dict[str, tuple[int, dict]] = {}
+        logger.info("kv_compress scheduler ready (pid %d): %s, block %d",
+                    os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size)
         # Allocation must count physical slots. Wrapping this instance's method
         # (not the class) keeps other engines in the process untouched.
         allocate = self.kv_cache_manager.allocate_slots

@@ -11,6 +11,7 @@ Per step, around vLLM's V1 GPUModelRunner (also the CPU runner's base):
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import numpy as np
@@ -22,7 +23,7 @@ from ..config import CONFIG_KEY, KVCompressConfig
 from ..planner import cdiv
 from ..accounting import PLAN_ATTR, StepPlan
 
-logger = logging.getLogger("vllm_kvcompress")
+logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
 QUERY_CHUNK = 512  # observed queries scored at once (bounds the [Hq, n, T] logits)
 
@@ -62,6 +63,30 @@ class StepObservation:
             set_active(None)  # a later warm-up or dummy run must not observe
 
 
+def check_cpu_layout(layer) -> None:
+    """Refuse to run unless our reader sees what vLLM's own writer wrote.
+
+    The CPU cache's inner layout depends on the instruction-set path and the
+    cache dtype; reading it wrong would corrupt output silently.
+    """
+    from vllm import _custom_ops as ops
+
+    if layer.impl.kv_cache_dtype != "auto":
+        raise RuntimeError(f"kv_compress: KV cache dtype {layer.impl.kv_cache_dtype!r} is not supported (use auto)")
+    _, heads, block, two_d = layer.kv_cache.shape
+    dim, n = two_d // 2, block + 3
+    scratch = torch.zeros(2, heads, block, two_d, dtype=layer.kv_cache.dtype)
+    key = torch.randn(n, heads, dim).to(scratch.dtype)
+    value = torch.randn(n, heads, dim).to(scratch.dtype)
+    key_cache, value_cache = scratch.view(2, heads, 2 * block, dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n), layer.isa)
+    keys, values = CPUAttnLayout.gather(scratch, torch.arange(2), n)
+    if not (torch.equal(keys, key.transpose(0, 1)) and torch.equal(values, value.transpose(0, 1))):
+        raise RuntimeError(
+            f"kv_compress: unknown CPU KV cache layout (isa {layer.isa!r}, dtype {scratch.dtype}); refusing to compact"
+        )
+
+
 class WorkerCompression:
     """Compression state of one model runner."""
 
@@ -89,8 +114,11 @@ class WorkerCompression:
                 f"{self.block_size}; choose --block-size as a multiple of 32 that the backend uses as is"
             )
         self.layout = CPUAttnLayout
+        check_cpu_layout(first)
         self.states: dict[str, RequestCompression] = {}
         self.evicted: dict[str, int] = {}
+        logger.info("kv_compress worker ready (pid %d): %s, %d layers, block %d",
+                    os.getpid(), self.config.to_dict(), self.num_layers, self.block_size)
 
     def kv_cache(self, layer: int) -> torch.Tensor:
         return self.layers[layer].kv_cache
