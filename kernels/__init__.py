@@ -1,0 +1,69 @@
+"""KV-compression kernels: Triton on CUDA, plain torch everywhere else.
+
+Installed as ``vllm_kvcompress.kernels``. Pick the implementation once at startup::
+
+    from vllm_kvcompress.kernels import get_ops
+    ops = get_ops(device.type)   # 'cuda' -> Triton when available, else torch
+    ops.window_scores_batched(...); ops.accumulate_decode_scores(...); ops.compact_kv_batched(...)
+
+Both namespaces expose the same functions with the same signatures and math
+(see ``reference.py``): ``split_kv_cache, gather_dense, window_scores,
+window_scores_batched, reduce_gqa, pool_scores, accumulate_decode_scores, compact_kv,
+compact_kv_batched``; the torch one also has ``check_keep_idx``. ``reduce_gqa``,
+``pool_scores`` and ``gather_dense`` are the torch versions in both (cheap, not fused).
+This module never imports Triton itself; ``triton_kernels`` is imported on demand.
+"""
+
+from __future__ import annotations
+
+import types
+
+from . import reference
+
+__all__ = ["get_ops", "triton_available", "reference", "OP_NAMES"]
+
+OP_NAMES = (
+    "split_kv_cache",
+    "gather_dense",
+    "window_scores",
+    "window_scores_batched",
+    "reduce_gqa",
+    "pool_scores",
+    "accumulate_decode_scores",
+    "compact_kv",
+    "compact_kv_batched",
+)
+
+
+def triton_available() -> bool:
+    """True when Triton imports and a CUDA GPU is present."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the environment
+        return False
+    return True
+
+
+def _namespace(mod, backend: str) -> types.SimpleNamespace:
+    ns = types.SimpleNamespace(**{name: getattr(mod, name) for name in OP_NAMES})
+    ns.backend = backend
+    ns.check_keep_idx = reference.check_keep_idx
+    return ns
+
+
+def get_ops(device_type: str = "cpu", prefer_triton: bool = True) -> types.SimpleNamespace:
+    """Namespace of kernel functions for ``device_type``.
+
+    ``'cuda'`` with Triton importable and a GPU present (and ``prefer_triton``) ->
+    Triton kernels (``ns.backend == 'triton'``); otherwise the torch references
+    (``ns.backend == 'torch'``), which work on any device torch supports.
+    """
+    if device_type == "cuda" and prefer_triton and triton_available():
+        from . import triton_kernels
+
+        return _namespace(triton_kernels, "triton")
+    return _namespace(reference, "torch")

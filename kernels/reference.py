@@ -1,0 +1,387 @@
+"""Plain-torch references for the KV-compression kernels.
+
+These functions are both the *test oracle* for the Triton kernels in
+``triton_kernels.py`` and the *CPU production path*: they use dense, batched torch ops
+(no Python loop over tokens; at most a loop over requests or head chunks to bound
+memory). Nothing here imports Triton.
+
+Paged KV layout (vLLM FlashAttention layout, one layer):
+
+* ``key_cache``, ``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
+  (vLLM keeps ``kv_cache`` as ``[2, num_blocks, block_size, H, D]``; pass the two halves,
+  see :func:`split_kv_cache`). Keys are stored post-RoPE.
+* Token at physical position ``p`` of request ``r`` lives in block
+  ``block_tables[r, p // block_size]`` at offset ``p % block_size``.
+* Queries: ``[num_tokens, num_q_heads, head_dim]`` with ``num_q_heads = G * num_kv_heads``;
+  query head ``h`` uses kv head ``h // G``.
+
+vLLM's CPU backend (CPU_ATTN) uses another layout (``[N, H, B, 2*D]`` with K stored
+transposed); these functions do not read it: convert, or gather with a layout-aware reader.
+
+Scores are always float32. All math is done in float32 on the (up-cast) stored values,
+so the references and the kernels agree up to summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "split_kv_cache",
+    "gather_dense",
+    "window_scores",
+    "window_scores_batched",
+    "reduce_gqa",
+    "pool_scores",
+    "accumulate_decode_scores",
+    "compact_kv",
+    "compact_kv_batched",
+    "check_keep_idx",
+]
+
+# Upper bound on the number of float32 elements a reference materialises at once
+# (logits / gathered keys); larger problems are processed in chunks.
+_CHUNK_ELEMS = 1 << 26  # 64 Mi elements = 256 MiB of float32
+
+LogitsTransform = Optional[Tuple[str, torch.Tensor, Union[float, torch.Tensor]]]
+
+
+def split_kv_cache(kv_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``[2, num_blocks, block_size, H, D]`` -> ``(key_cache, value_cache)`` (views)."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"expected kv_cache [2, N, B, H, D], got {tuple(kv_cache.shape)}")
+    return kv_cache[0], kv_cache[1]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def gather_dense(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Gather one request's first ``seq_len`` tokens from a paged cache.
+
+    ``cache [num_blocks, block_size, H, D]``, ``block_table_row [>= ceil(seq_len/bs)]``
+    -> ``[H, seq_len, D]`` (a copy, same dtype as the cache; a non-contiguous view of it).
+    """
+    seq_len = int(seq_len)
+    _, bs, h, d = cache.shape
+    nb = _cdiv(seq_len, bs)
+    blocks = block_table_row[:nb].to(device=cache.device, dtype=torch.long)
+    x = cache.index_select(0, blocks).reshape(nb * bs, h, d)[:seq_len]
+    return x.permute(1, 0, 2)
+
+
+# ---------------------------------------------------------------------------------------
+# (a) observation-window scores (SnapKV / PyramidKV / ...)
+# ---------------------------------------------------------------------------------------
+
+
+def window_scores(
+    q_win: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    seq_len: int,
+    q_positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of window queries to one request's cached keys, summed over the queries.
+
+    ``q_win [W, Hq, D]``; ``q_positions [W]`` physical index of each query (query ``i``
+    sees keys ``[0, q_positions[i]]``). Returns ``[Hq, seq_len]`` float32:
+    ``out[h, j] = sum_i softmax_j(q_i[h] . K[h // G, :]^T * scale)`` over visible keys.
+    No GQA reduction (see :func:`reduce_gqa`), no pooling (see :func:`pool_scores`).
+    """
+    seq_len = int(seq_len)
+    w, hq, d = q_win.shape
+    hkv = key_cache.shape[2]
+    if hq % hkv:
+        raise ValueError(f"num_q_heads {hq} not a multiple of num_kv_heads {hkv}")
+    g = hq // hkv
+    dev = key_cache.device
+    out = torch.zeros(hq, seq_len, dtype=torch.float32, device=dev)
+    if w == 0 or seq_len == 0:
+        return out
+    keys = gather_dense(key_cache, block_table_row, seq_len)  # [Hkv, T, D] (cache dtype)
+    # [Hkv, G*W, D] contiguous: one plain batched matmul per kv head (no broadcasting)
+    q = q_win.to(device=dev, dtype=torch.float32).reshape(w, hkv, g, d).permute(1, 2, 0, 3)
+    q = q.reshape(hkv, g * w, d).contiguous()
+    pos = q_positions.to(device=dev, dtype=torch.long)
+    hidden = torch.arange(seq_len, device=dev)[None, :] > pos[:, None]  # [W, T]
+    chunk = max(1, _CHUNK_ELEMS // max(1, g * w * seq_len + seq_len * d))
+    for h0 in range(0, hkv, chunk):
+        h1 = min(hkv, h0 + chunk)
+        k = keys[h0:h1].to(torch.float32, memory_format=torch.contiguous_format)  # [h, T, D]
+        logits = torch.matmul(q[h0:h1], k.transpose(-1, -2)).view(h1 - h0, g, w, seq_len)
+        logits.mul_(scale)
+        logits.masked_fill_(hidden, float("-inf"))
+        p = torch.softmax(logits, dim=-1)
+        out[h0 * g : h1 * g] = p.sum(dim=-2).reshape((h1 - h0) * g, seq_len)
+    return out
+
+
+def window_scores_batched(
+    q: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    out: Optional[torch.Tensor] = None,
+    max_seq_len: Optional[int] = None,
+    max_q_len: Optional[int] = None,
+) -> torch.Tensor:
+    """Varlen batch of :func:`window_scores`.
+
+    ``q [total_q, Hq, D]``, ``cu_q_lens [B+1]`` (request ``b`` owns query rows
+    ``cu_q_lens[b]:cu_q_lens[b+1]``), ``block_tables [B, max_blocks]``, ``seq_lens [B]``,
+    ``q_positions [total_q]``. Scores are **added** into ``out [B, Hq, max_T]`` float32
+    (allocated as zeros when ``None``; ``max_T = max_seq_len or max(seq_lens)``) and
+    ``out`` is returned. Columns ``>= seq_lens[b]`` are left untouched. Adding (instead of
+    overwriting) makes window scores of a window split over prefill chunks accumulate
+    exactly, since a query only ever sees keys that already exist when it runs.
+    ``max_q_len`` is accepted for signature parity with the Triton kernel (unused here).
+    """
+    del max_q_len
+    hq = q.shape[1]
+    lens = [int(x) for x in seq_lens.tolist()]
+    cu = [int(x) for x in cu_q_lens.tolist()]
+    nreq = len(lens)
+    if out is None:
+        t_out = int(max_seq_len) if max_seq_len is not None else max(lens, default=0)
+        out = torch.zeros(nreq, hq, t_out, dtype=torch.float32, device=key_cache.device)
+    for b in range(nreq):
+        if cu[b + 1] == cu[b] or lens[b] == 0:
+            continue
+        s = window_scores(
+            q[cu[b] : cu[b + 1]], key_cache, block_tables[b], lens[b], q_positions[cu[b] : cu[b + 1]], scale
+        )
+        out[b, :, : lens[b]] += s
+    return out
+
+
+def reduce_gqa(scores: torch.Tensor, group_size: int, mode: str = "mean") -> torch.Tensor:
+    """``[..., Hq, T]`` -> ``[..., Hq // G, T]``: reduce the G query heads of each kv head."""
+    *lead, hq, t = scores.shape
+    if hq % group_size:
+        raise ValueError(f"num_q_heads {hq} not a multiple of group size {group_size}")
+    x = scores.reshape(*lead, hq // group_size, group_size, t)
+    if mode == "mean":
+        return x.mean(dim=-2)
+    if mode == "max":
+        return x.amax(dim=-2)
+    raise ValueError(f"unknown GQA reduction {mode!r} (mean | max)")
+
+
+def pool_scores(scores: torch.Tensor, kernel_size: int, mode: str = "avg") -> torch.Tensor:
+    """1-D pooling along the token axis, stride 1, padding ``kernel_size // 2``.
+
+    ``avg`` uses ``count_include_pad=True`` (zeros padded, divided by ``kernel_size``),
+    like SnapKV / kvpress; ``max`` pads with ``-inf``. Output has the input's shape
+    (for an even kernel the extra last column is dropped). For a padded ragged batch whose
+    padding columns are zero, pooling the padded row gives, on the valid columns, exactly
+    what pooling the unpadded row gives (avg: zero padding either way; max: scores >= 0).
+    """
+    if kernel_size <= 1:
+        return scores.clone()
+    shape = scores.shape
+    t = shape[-1]
+    x = scores.reshape(1, -1, t).float()
+    pad = kernel_size // 2
+    if mode == "avg":
+        y = F.avg_pool1d(x, kernel_size, stride=1, padding=pad, count_include_pad=True)
+    elif mode == "max":
+        y = F.max_pool1d(x, kernel_size, stride=1, padding=pad)
+    else:
+        raise ValueError(f"unknown pooling {mode!r} (avg | max)")
+    return y[..., :t].reshape(shape).to(scores.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# (b) decode-time score accumulation (H2O, Keyformer, TOVA)
+# ---------------------------------------------------------------------------------------
+
+
+def _parse_transform(transform: LogitsTransform):
+    if transform is None:
+        return None, None
+    if len(transform) != 3 or transform[0] != "gumbel":
+        raise ValueError("logits_transform must be None or ('gumbel', noise, tau)")
+    return transform[1], transform[2]
+
+
+def accumulate_decode_scores(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scores_out: torch.Tensor,
+    scale: float,
+    logits_transform: LogitsTransform = None,
+    lse: Optional[torch.Tensor] = None,
+    max_seq_len: Optional[int] = None,
+) -> torch.Tensor:
+    """Add each decode query's attention probabilities into the per-slot score buffer.
+
+    ``q [R, Hq, D]`` (one decode query per request), ``block_tables [R, max_blocks]``,
+    ``seq_lens [R]`` (keys ``[0, seq_len)`` are visible, the new token included),
+    ``scores_out [R, Hq, max_T]`` float32, updated in place and returned:
+    ``scores_out[r, h, j] += softmax_j(y)`` for ``j < seq_lens[r]`` with
+    ``x = q[r, h] . K[r, h // G, j] * scale`` and
+
+    * ``logits_transform=None``: ``y = x`` (H2O; TOVA if the buffer is zeroed first);
+    * ``('gumbel', noise, tau)``: ``y = (x + noise[r, h, j]) / tau`` (Keyformer), with
+      ``noise [R, Hq, >= max_T]`` Gumbel(0, 1) samples made by the caller (seeded) and
+      ``tau`` a float or a ``[R]`` tensor.
+
+    ``lse [R, Hq]`` (optional, plain transform only): natural-log sum-exp of ``x`` over
+    the visible keys, e.g. flash-attn's ``softmax_lse``; then ``p = exp(x - lse)`` with no
+    normalisation of its own (the Triton kernel then reads K once and needs no scratch).
+    """
+    noise, tau = _parse_transform(logits_transform)
+    if lse is not None and noise is not None:
+        raise ValueError("lse is only valid without a logits transform")
+    nreq, hq, d = q.shape
+    if nreq == 0:
+        return scores_out
+    _, bs, hkv, _ = key_cache.shape
+    g = hq // hkv
+    dev = key_cache.device
+    lens = seq_lens.to(device=dev, dtype=torch.long)
+    t = int(max_seq_len) if max_seq_len is not None else int(lens.max())
+    if t == 0:
+        return scores_out
+    if t > scores_out.shape[-1]:
+        raise ValueError(f"seq_len {t} exceeds score buffer width {scores_out.shape[-1]}")
+    nb = _cdiv(t, bs)
+    nblocks_total = key_cache.shape[0]
+    per_req = nb * bs * hkv * d + hq * nb * bs * 2
+    chunk = max(1, _CHUNK_ELEMS // per_req)
+    ar = torch.arange(t, device=dev)
+    tau_t = None
+    if tau is not None:
+        tau_t = torch.as_tensor(tau, dtype=torch.float32, device=dev).reshape(-1)
+        if tau_t.numel() == 1:
+            tau_t = tau_t.expand(nreq)
+    for r0 in range(0, nreq, chunk):
+        r1 = min(nreq, r0 + chunk)
+        n = r1 - r0
+        bt = block_tables[r0:r1, :nb].to(device=dev, dtype=torch.long).clamp(0, nblocks_total - 1)
+        keys = key_cache.index_select(0, bt.reshape(-1)).reshape(n, nb * bs, hkv, d)[:, :t]
+        # contiguous [n, Hkv, T, D] fp32 (matmul on strided views is very slow on CPU)
+        keys = keys.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
+        qq = q[r0:r1].to(device=dev, dtype=torch.float32).reshape(n, hkv, g, d)
+        x = torch.matmul(qq, keys.transpose(-1, -2)).reshape(n, hq, t) * scale  # [n, Hq, T]
+        valid = (ar[None, :] < lens[r0:r1, None])[:, None, :]  # [n, 1, T]
+        if noise is not None:
+            x = (x + noise[r0:r1, :, :t].to(device=dev, dtype=torch.float32)) / tau_t[r0:r1, None, None]
+        if lse is not None:
+            p = torch.exp(x - lse[r0:r1].to(device=dev, dtype=torch.float32)[..., None])
+        else:
+            p = torch.softmax(x.masked_fill(~valid, float("-inf")), dim=-1)
+        scores_out[r0:r1, :, :t] += torch.where(valid, p, torch.zeros((), device=dev))
+    return scores_out
+
+
+# ---------------------------------------------------------------------------------------
+# (c) in-place compaction of kept tokens to the front of each request
+# ---------------------------------------------------------------------------------------
+
+
+def check_keep_idx(keep_idx: torch.Tensor, keep_counts: Optional[torch.Tensor] = None,
+                   seq_lens: Optional[torch.Tensor] = None) -> None:
+    """Validate ``keep_idx [..., Hkv, K]``: strictly ascending, >= 0 (hence idx[j] >= j),
+    and ``< seq_len`` when given. Raises ``ValueError``. (Syncs; for debugging/tests.)"""
+    ki = keep_idx.long()
+    k = ki.shape[-1]
+    valid = torch.ones_like(ki, dtype=torch.bool)
+    if keep_counts is not None:
+        valid = torch.arange(k, device=ki.device) < keep_counts.to(ki.device).long()[..., None]
+    if bool(((ki < 0) & valid).any()):
+        raise ValueError("keep_idx has negative entries")
+    if k > 1:
+        inc = ki[..., 1:] > ki[..., :-1]
+        if bool((~inc & valid[..., 1:]).any()):
+            raise ValueError("keep_idx must be strictly ascending per head")
+    if seq_lens is not None:
+        sl = seq_lens.to(ki.device).long().reshape(*ki.shape[:-2], 1, 1)
+        if bool(((ki >= sl) & valid).any()):
+            raise ValueError("keep_idx out of range of seq_len")
+
+
+def compact_kv_batched(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    keep_idx: torch.Tensor,
+    keep_counts: Optional[torch.Tensor] = None,
+    scores: Optional[torch.Tensor] = None,
+    zero_score_tail: bool = True,
+) -> None:
+    """Move kept tokens of each (request, kv head) to physical positions ``[0, keep)``.
+
+    ``block_tables [R, max_blocks]``, ``keep_idx [R, Hkv, K]`` ascending physical indices
+    per head (heads may keep different tokens), ``keep_counts [R, Hkv]`` (optional, per
+    head number of valid entries, AdaKV; default ``K``). In place, K and V:
+    ``cache[pos j of head h] <- cache[pos keep_idx[r, h, j] of head h]`` for ``j < count``.
+    Slots ``>= count`` keep stale data. ``scores [R, Hq, T]`` (optional, float32) gets the
+    same permutation per query head (following its kv head), and with ``zero_score_tail``
+    its columns ``>= count`` are zeroed (tokens later appended there start from 0).
+
+    Here the copy gathers everything first and then scatters, so overlap of source and
+    destination is harmless. Requests must not share physical blocks (no prefix caching).
+    """
+    nreq, hkv, kmax = keep_idx.shape
+    if nreq == 0:
+        return
+    dev = key_cache.device
+    bs = key_cache.shape[1]
+    ki = keep_idx.to(device=dev, dtype=torch.long)
+    if keep_counts is None:
+        valid = torch.ones(nreq, hkv, kmax, dtype=torch.bool, device=dev)
+        counts = torch.full((nreq, hkv), kmax, dtype=torch.long, device=dev)
+    else:
+        counts = keep_counts.to(device=dev, dtype=torch.long)
+        valid = torch.arange(kmax, device=dev) < counts[..., None]
+    r_idx, h_idx, j_idx = valid.nonzero(as_tuple=True)
+    src = ki[r_idx, h_idx, j_idx]
+    bt = block_tables.to(device=dev, dtype=torch.long)
+    src_blk, src_off = bt[r_idx, src // bs], src % bs
+    dst_blk, dst_off = bt[r_idx, j_idx // bs], j_idx % bs
+    for cache in (key_cache, value_cache):
+        vals = cache[src_blk, src_off, h_idx]  # advanced indexing: a copy
+        cache[dst_blk, dst_off, h_idx] = vals
+    if scores is not None:
+        _, hq, t = scores.shape
+        g = hq // hkv
+        s = scores.view(nreq, hkv, g, t)
+        vals = s[r_idx, h_idx, :, src]  # [n, G] copy
+        if zero_score_tail:
+            tail = torch.arange(t, device=dev) >= counts[..., None]  # [R, Hkv, T]
+            s.masked_fill_(tail[:, :, None, :], 0.0)
+        s[r_idx, h_idx, :, j_idx] = vals
+
+
+def compact_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table_row: torch.Tensor,
+    keep_idx: torch.Tensor,
+    keep_counts: Optional[torch.Tensor] = None,
+    scores: Optional[torch.Tensor] = None,
+    zero_score_tail: bool = True,
+) -> None:
+    """Single-request :func:`compact_kv_batched`: ``block_table_row [max_blocks]``,
+    ``keep_idx [Hkv, K]``, ``keep_counts [Hkv]`` or None, ``scores [Hq, T]`` or None."""
+    compact_kv_batched(
+        key_cache,
+        value_cache,
+        block_table_row[None],
+        keep_idx[None],
+        None if keep_counts is None else keep_counts[None],
+        None if scores is None else scores[None],
+        zero_score_tail,
+    )

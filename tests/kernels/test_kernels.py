@@ -1,0 +1,470 @@
+"""Kernel tests.
+
+1. The torch references (``vllm_kvcompress.kernels.reference``) against brute-force naive
+   implementations (Python loops, explicit softmax in float64) on small inputs.
+2. The Triton kernels against the references on random paged caches: GQA group sizes
+   1/3/8, head_dim 64/128, block sizes 16/32/128, ragged lengths (1, not multiples of the
+   block size), shuffled block tables with stale padding entries, fp32/fp16/bf16.
+   Without a GPU, Triton runs under TRITON_INTERPRET=1 (set in conftest.py), so sizes are
+   kept small and configurations are chosen to cover each value, not the cross product.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vllm_kvcompress.kernels import OP_NAMES, get_ops, reference as ref
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover
+    HAVE_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+RUN_TRITON = HAVE_TRITON and (DEVICE == "cuda" or INTERPRET)
+needs_triton = pytest.mark.skipif(not RUN_TRITON, reason="needs triton (GPU or TRITON_INTERPRET=1)")
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# Scores are fp32 sums of probabilities that both sides compute in fp32 from the same
+# stored (up-cast) values, so only summation order and exp/log approximations differ:
+# the input dtype barely matters. Slightly looser for fp16/bf16 (on GPU the kernel's
+# tl.dot runs on tensor cores with its own accumulation order).
+TOL = {F32: dict(atol=2e-5, rtol=1e-4), F16: dict(atol=5e-5, rtol=3e-4), BF16: dict(atol=5e-5, rtol=3e-4)}
+
+
+def tk():
+    from vllm_kvcompress.kernels import triton_kernels
+
+    return triton_kernels
+
+
+# ---------------------------------------------------------------------------------------
+# random paged inputs
+# ---------------------------------------------------------------------------------------
+
+
+def make_paged(gen, lens, hkv, d, bs, dtype, spare_blocks=3, kv_pair=False):
+    """Caches with shuffled, non-contiguous block tables (+ stale padding entries) and
+    some blocks owned by nobody. Returns key_cache, value_cache, block_tables."""
+    need = [max(1, -(-L // bs)) for L in lens]
+    nblocks = sum(need) + spare_blocks
+    perm = torch.randperm(nblocks, generator=gen)
+    max_nb = max(need) + 1
+    bt = torch.empty(len(lens), max_nb, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(need):
+        bt[r, :n] = perm[used : used + n]
+        used += n
+        bt[r, n:] = perm[torch.randint(0, nblocks, (max_nb - n,), generator=gen)]  # stale ids
+    shape = (2, nblocks, bs, hkv, d) if kv_pair else (nblocks, bs, hkv, d)
+    kv = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    if kv_pair:
+        k, v = ref.split_kv_cache(kv)
+    else:
+        k, v = kv, torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+    return k, v, bt.to(DEVICE)
+
+
+def naive_dense(cache, bt_row, L):
+    bs = cache.shape[1]
+    rows = [cache[int(bt_row[p // bs]), p % bs] for p in range(L)]  # [H, D] each
+    return torch.stack(rows, dim=1) if rows else cache.new_zeros(cache.shape[2], 0, cache.shape[3])
+
+
+def softmax64(x):
+    x = x.double()
+    e = torch.exp(x - x.max())
+    return e / e.sum()
+
+
+# ---------------------------------------------------------------------------------------
+# 1. references vs brute force
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+def test_gather_dense_matches_naive(bs):
+    gen = torch.Generator().manual_seed(bs)
+    lens = [1, bs, 2 * bs + 3]
+    k, _, bt = make_paged(gen, lens, 2, 16, bs, F32)
+    for r, L in enumerate(lens):
+        got = ref.gather_dense(k, bt[r], L)
+        assert got.shape == (2, L, 16)
+        assert torch.equal(got, naive_dense(k, bt[r], L))
+
+
+def naive_window(q_win, kd, qpos, scale, g):
+    hq = q_win.shape[1]
+    out = torch.zeros(hq, kd.shape[1], dtype=torch.float64)
+    for i in range(q_win.shape[0]):
+        p_i = int(qpos[i])
+        for h in range(hq):
+            logits = [float(q_win[i, h].double() @ kd[h // g, j].double()) * scale for j in range(p_i + 1)]
+            out[h, : p_i + 1] += softmax64(torch.tensor(logits))
+    return out
+
+
+@pytest.mark.parametrize("g,dtype", [(1, F32), (3, BF16), (2, F16)])
+def test_reference_window_scores_vs_naive(g, dtype):
+    gen = torch.Generator().manual_seed(10 + g)
+    hkv, d, bs, L, w = 2, 16, 8, 21, 5
+    k, _, bt = make_paged(gen, [L], hkv, d, bs, dtype)
+    q = torch.randn(w, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    qpos = torch.tensor([3, 10, 18, 19, 20])  # arbitrary ascending physical positions
+    scale = d**-0.5
+    got = ref.window_scores(q, k, bt[0], L, qpos, scale)
+    want = naive_window(q.cpu(), naive_dense(k, bt[0], L).cpu(), qpos, scale, g)
+    assert got.dtype == torch.float32 and got.shape == (hkv * g, L)
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=1e-5)
+    # each query contributes probability mass 1 per head
+    torch.testing.assert_close(got.sum(-1).cpu(), torch.full((hkv * g,), float(w)), atol=1e-4, rtol=0)
+
+
+def test_reference_window_batched_adds_and_pads():
+    gen = torch.Generator().manual_seed(3)
+    lens, ws = [9, 1, 30], [4, 1, 7]
+    hkv, g, d, bs = 2, 2, 16, 8
+    k, _, bt = make_paged(gen, lens, hkv, d, bs, F32)
+    cu = torch.tensor([0, 4, 5, 12])
+    q = torch.randn(12, hkv * g, d, generator=gen).to(DEVICE)
+    qpos = torch.cat([torch.arange(L - w, L) for L, w in zip(lens, ws)])
+    out0 = torch.rand(3, hkv * g, 32, generator=gen).to(DEVICE)
+    out = ref.window_scores_batched(q, cu, k, bt, torch.tensor(lens), qpos, 0.3, out=out0.clone())
+    for b, L in enumerate(lens):
+        one = ref.window_scores(q[cu[b] : cu[b + 1]], k, bt[b], L, qpos[cu[b] : cu[b + 1]], 0.3)
+        torch.testing.assert_close(out[b, :, :L], out0[b, :, :L] + one)
+        assert torch.equal(out[b, :, L:], out0[b, :, L:])
+
+
+def test_reduce_gqa_and_pool_vs_naive():
+    gen = torch.Generator().manual_seed(4)
+    s = torch.rand(6, 11, generator=gen)
+    red_mean = ref.reduce_gqa(s, 3, "mean")
+    red_max = ref.reduce_gqa(s, 3, "max")
+    for h in range(2):
+        torch.testing.assert_close(red_mean[h], s[3 * h : 3 * h + 3].mean(0))
+        torch.testing.assert_close(red_max[h], s[3 * h : 3 * h + 3].max(0).values)
+    for ksz in (1, 3, 5, 7):
+        p = ksz // 2
+        avg = ref.pool_scores(s, ksz, "avg")
+        mx = ref.pool_scores(s, ksz, "max")
+        assert avg.shape == s.shape == mx.shape
+        for j in range(s.shape[1]):
+            lo, hi = max(0, j - p), min(s.shape[1], j + p + 1)
+            torch.testing.assert_close(avg[:, j], s[:, lo:hi].sum(1) / ksz)  # count_include_pad
+            torch.testing.assert_close(mx[:, j], s[:, lo:hi].max(1).values)
+    # batched leading dims pool each row independently
+    sb = torch.rand(2, 4, 9, generator=gen)
+    torch.testing.assert_close(ref.pool_scores(sb, 5)[1, 2], ref.pool_scores(sb[1, 2][None], 5)[0])
+    with pytest.raises(ValueError):
+        ref.reduce_gqa(s, 4)
+
+
+def gumbel(gen, shape):
+    u = torch.rand(shape, generator=gen).clamp_(1e-6, 1 - 1e-6)
+    return -torch.log(-torch.log(u))
+
+
+def naive_decode(q, k, bt, lens, scores, scale, noise=None, tau=None, lse=None):
+    out = scores.clone().double().cpu()
+    g = q.shape[1] // k.shape[2]
+    for r, L in enumerate(lens):
+        kd = naive_dense(k, bt[r], L).cpu().double()
+        for h in range(q.shape[1]):
+            x = torch.stack([q[r, h].cpu().double() @ kd[h // g, j] for j in range(L)]) * scale
+            if noise is not None:
+                t = float(tau[r]) if torch.is_tensor(tau) else tau
+                x = (x + noise[r, h, :L].double().cpu()) / t
+            if lse is not None:
+                p = torch.exp(x - float(lse[r, h]))
+            else:
+                p = softmax64(x)
+            out[r, h, :L] += p
+    return out
+
+
+@pytest.mark.parametrize("mode", ["plain", "gumbel", "gumbel_tau_vec", "lse"])
+def test_reference_decode_vs_naive(mode):
+    gen = torch.Generator().manual_seed(5)
+    lens = [1, 13, 20]
+    hkv, g, d, bs = 2, 3, 16, 8
+    k, _, bt = make_paged(gen, lens, hkv, d, bs, BF16)
+    q = torch.randn(3, hkv * g, d, generator=gen).to(BF16).to(DEVICE)
+    scores = torch.rand(3, hkv * g, 24, generator=gen).to(DEVICE)
+    scale = 0.25
+    noise = tau = lse = None
+    if mode.startswith("gumbel"):
+        noise = gumbel(gen, (3, hkv * g, 24)).to(DEVICE)
+        tau = 1.7 if mode == "gumbel" else torch.tensor([0.5, 1.0, 2.5])
+    if mode == "lse":
+        lse = torch.empty(3, hkv * g)
+        for r, L in enumerate(lens):
+            kd = naive_dense(k, bt[r], L).float().cpu()
+            x = torch.einsum("hgd,htd->hgt", q[r].float().cpu().reshape(hkv, g, d), kd) * scale
+            lse[r] = torch.logsumexp(x, -1).reshape(-1)
+    want = naive_decode(q, k, bt, lens, scores, scale, noise, tau, lse)
+    tr = None if noise is None else ("gumbel", noise, tau)
+    got = ref.accumulate_decode_scores(q, k, bt, torch.tensor(lens), scores, scale, tr, lse=lse)
+    assert got is scores  # in place
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=1e-5)
+
+
+def naive_compact(k, v, bt, keep, counts, scores):
+    """Sequential forward copy (safe because keep is ascending, so keep[j] >= j)."""
+    k, v = k.clone().cpu(), v.clone().cpu()
+    scores = None if scores is None else scores.clone().cpu()
+    bs = k.shape[1]
+    nreq, hkv, kmax = keep.shape
+    for r in range(nreq):
+        for h in range(hkv):
+            c = kmax if counts is None else int(counts[r, h])
+            for j in range(c):
+                s = int(keep[r, h, j])
+                assert s >= j
+                db, do = int(bt[r, j // bs]), j % bs
+                sb, so = int(bt[r, s // bs]), s % bs
+                k[db, do, h] = k[sb, so, h]
+                v[db, do, h] = v[sb, so, h]
+                if scores is not None:
+                    g = scores.shape[1] // hkv
+                    scores[r, h * g : (h + 1) * g, j] = scores[r, h * g : (h + 1) * g, s]
+            if scores is not None:
+                g = scores.shape[1] // hkv
+                scores[r, h * g : (h + 1) * g, c:] = 0
+    return k, v, scores
+
+
+def make_keep(gen, lens, hkv, kmax, pattern, per_head_counts):
+    """keep_idx [R, Hkv, kmax] ascending, counts [R, Hkv] (or None). Entries past a
+    head's count are garbage and must be ignored."""
+    nreq = len(lens)
+    keep = torch.randint(0, 7, (nreq, hkv, kmax), generator=gen)  # garbage by default
+    counts = torch.empty(nreq, hkv, dtype=torch.long)
+    for r, L in enumerate(lens):
+        for h in range(hkv):
+            c = min(L, kmax)
+            if per_head_counts:
+                c = int(torch.randint(0, c + 1, (1,), generator=gen))
+            if pattern == "random":
+                idx = torch.randperm(L, generator=gen)[:c].sort().values
+            elif pattern == "prefix_then_jump":  # maximal overlap: identity, then a gap
+                a = c // 2
+                idx = torch.cat([torch.arange(a), torch.arange(L - (c - a), L)])
+            else:  # "sink_recent" (StreamingLLM)
+                s = min(4, c)
+                idx = torch.cat([torch.arange(s), torch.arange(L - (c - s), L)])
+            keep[r, h, :c] = idx
+            counts[r, h] = c
+    if not per_head_counts:
+        c0 = counts[:, :1]
+        assert bool((counts == c0).all()) and bool((c0 == kmax).all())
+        counts = None
+    return keep, counts
+
+
+@pytest.mark.parametrize("pattern,per_head", [("random", False), ("prefix_then_jump", True), ("sink_recent", True)])
+def test_reference_compact_vs_naive(pattern, per_head):
+    gen = torch.Generator().manual_seed(6)
+    lens = [9, 20, 33] if per_head else [12, 20, 33]
+    hkv, g, d, bs, kmax = 2, 3, 8, 8, 12
+    k, v, bt = make_paged(gen, lens, hkv, d, bs, F16, kv_pair=True)
+    keep, counts = make_keep(gen, lens, hkv, kmax, pattern, per_head)
+    ref.check_keep_idx(keep, counts, torch.tensor(lens))
+    scores = torch.rand(3, hkv * g, 40, generator=gen).to(DEVICE)
+    wk, wv, ws = naive_compact(k, v, bt, keep, counts, scores)
+    ref.compact_kv_batched(k, v, bt, keep.to(DEVICE), None if counts is None else counts.to(DEVICE), scores)
+    assert torch.equal(k.cpu(), wk) and torch.equal(v.cpu(), wv) and torch.equal(scores.cpu(), ws)
+
+
+def test_reference_compact_single_request_and_checks():
+    gen = torch.Generator().manual_seed(7)
+    k, v, bt = make_paged(gen, [30], 2, 8, 16, F32)
+    keep = torch.tensor([[0, 5, 6, 29], [1, 2, 3, 4]])
+    scores = torch.rand(4, 30, generator=gen)
+    wk, wv, ws = naive_compact(k, v, bt, keep[None], None, scores[None])
+    ref.compact_kv(k, v, bt[0], keep, scores=scores)
+    assert torch.equal(k.cpu(), wk) and torch.equal(v.cpu(), wv) and torch.equal(scores, ws[0])
+    with pytest.raises(ValueError):
+        ref.check_keep_idx(torch.tensor([[0, 3, 3]]))
+    with pytest.raises(ValueError):
+        ref.check_keep_idx(torch.tensor([[0, 3, 9]]), seq_lens=torch.tensor(9))
+    ref.check_keep_idx(torch.tensor([[0, 3, 0]]), keep_counts=torch.tensor([2]))  # tail ignored
+
+
+# ---------------------------------------------------------------------------------------
+# 2. Triton vs reference
+# ---------------------------------------------------------------------------------------
+
+# (G, head_dim, block_size, dtype): every value of each axis appears, not the product.
+CONFIGS = [
+    pytest.param(1, 64, 16, F32, id="G1-D64-bs16-fp32"),
+    pytest.param(3, 128, 32, BF16, id="G3-D128-bs32-bf16"),
+    pytest.param(8, 64, 128, F16, id="G8-D64-bs128-fp16"),
+    pytest.param(3, 64, 16, F16, id="G3-D64-bs16-fp16"),
+    pytest.param(8, 128, 32, F32, id="G8-D128-bs32-fp32"),
+    pytest.param(1, 128, 128, BF16, id="G1-D128-bs128-bf16"),
+]
+HKV = 2
+
+
+def ragged_lens(bs):
+    return [1, bs + 5, 2 * bs - 3, 70]  # length 1, not multiples of the block size
+
+
+@needs_triton
+@pytest.mark.parametrize("g,d,bs,dtype", CONFIGS)
+def test_triton_window_scores(g, d, bs, dtype):
+    gen = torch.Generator().manual_seed(g * 1000 + d + bs)
+    lens = ragged_lens(bs)
+    ws = [1, 6, 3, 11]  # with max_rows=16 and G>1 the window spans several q tiles (atomics)
+    k, _, bt = make_paged(gen, lens, HKV, d, bs, dtype)
+    cu = torch.tensor([0] + torch.tensor(ws).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), HKV * g, d, generator=gen).to(dtype)
+    qpos = torch.cat([torch.arange(L - w, L) for L, w in zip(lens, ws)]).int()
+    sl = torch.tensor(lens, dtype=torch.int32)
+    scale = d**-0.5
+    out0 = torch.rand(len(lens), HKV * g, max(lens) + 3, generator=gen)
+    args = [t.to(DEVICE) for t in (q, cu)] + [k, bt] + [t.to(DEVICE) for t in (sl, qpos)]
+    want = ref.window_scores_batched(*args, scale, out=out0.clone().to(DEVICE))
+    got = tk().window_scores_batched(*args, scale, out=out0.clone().to(DEVICE), max_q_len=max(ws),
+                                      split_len=32, block_n=16, max_rows=16)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    # single-request wrapper
+    b = 3
+    one_t = tk().window_scores(args[0][cu[b] : cu[b + 1]], k, bt[b], lens[b], args[5][cu[b] : cu[b + 1]], scale)
+    one_r = ref.window_scores(args[0][cu[b] : cu[b + 1]], k, bt[b], lens[b], args[5][cu[b] : cu[b + 1]], scale)
+    torch.testing.assert_close(one_t, one_r, **TOL[dtype])
+
+
+@needs_triton
+def test_triton_window_scores_default_tiling():
+    """Default split/tiling path (one split, one q tile: no atomics), out allocated."""
+    gen = torch.Generator().manual_seed(11)
+    lens, ws = [40, 17], [8, 8]
+    k, _, bt = make_paged(gen, lens, HKV, 64, 16, F16)
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(16, HKV * 4, 64, generator=gen).to(F16).to(DEVICE)
+    qpos = torch.cat([torch.arange(L - w, L) for L, w in zip(lens, ws)]).int().to(DEVICE)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    want = ref.window_scores_batched(q, cu, k, bt, sl, qpos, 0.125)
+    got = tk().window_scores_batched(q, cu, k, bt, sl, qpos, 0.125)
+    assert got.shape == want.shape == (2, HKV * 4, 40)
+    torch.testing.assert_close(got, want, **TOL[F16])
+
+
+@needs_triton
+@pytest.mark.parametrize("g,d,bs,dtype", CONFIGS)
+@pytest.mark.parametrize("mode", ["plain", "gumbel", "lse"])
+def test_triton_decode_scores(g, d, bs, dtype, mode):
+    gen = torch.Generator().manual_seed(g * 1000 + d + bs + len(mode))
+    lens = ragged_lens(bs)
+    nreq, hq, t_buf = len(lens), HKV * g, max(lens) + 5
+    k, _, bt = make_paged(gen, lens, HKV, d, bs, dtype)
+    q = torch.randn(nreq, hq, d, generator=gen).to(dtype).to(DEVICE)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    scores0 = torch.rand(nreq, hq, t_buf, generator=gen).to(DEVICE)
+    tr = lse = None
+    if mode == "gumbel":
+        tau = torch.tensor([1.0, 0.7, 2.0, 1.3]) if g == 3 else 1.5
+        tr = ("gumbel", gumbel(gen, (nreq, hq, t_buf)).to(DEVICE), tau)
+    if mode == "lse":
+        dense = [ref.gather_dense(k, bt[r], L).float() for r, L in enumerate(lens)]
+        lse = torch.stack([
+            torch.logsumexp(torch.einsum("hgd,htd->hgt", q[r].float().reshape(HKV, g, d), kd) * scale, -1).reshape(-1)
+            for r, kd in enumerate(dense)
+        ])
+    want = ref.accumulate_decode_scores(q, k, bt, sl, scores0.clone(), scale, tr, lse=lse)
+    got = scores0.clone()
+    scratch = torch.empty(nreq, hq, t_buf + 8, device=DEVICE) if g == 8 else None  # caller scratch
+    ret = tk().accumulate_decode_scores(q, k, bt, sl, got, scale, tr, lse=lse, scratch=scratch,
+                                        split_len=32, block_n=16)
+    assert ret is got
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    for r, L in enumerate(lens):  # columns past seq_len untouched
+        assert torch.equal(got[r, :, L:], scores0[r, :, L:])
+
+
+@needs_triton
+def test_triton_decode_default_split():
+    gen = torch.Generator().manual_seed(12)
+    lens = [100, 3]
+    k, _, bt = make_paged(gen, lens, HKV, 64, 32, BF16)
+    q = torch.randn(2, HKV * 2, 64, generator=gen).to(BF16).to(DEVICE)
+    sl = torch.tensor(lens, device=DEVICE)
+    want = ref.accumulate_decode_scores(q, k, bt, sl, torch.zeros(2, 4, 100, device=DEVICE), 0.125)
+    got = tk().accumulate_decode_scores(q, k, bt, sl, torch.zeros(2, 4, 100, device=DEVICE), 0.125)
+    torch.testing.assert_close(got, want, **TOL[BF16])
+    torch.testing.assert_close(got.sum(-1), torch.ones(2, 4, device=DEVICE), atol=1e-4, rtol=0)
+
+
+@needs_triton
+@pytest.mark.parametrize("g,d,bs,dtype", CONFIGS)
+@pytest.mark.parametrize("pattern,per_head,with_scores", [
+    ("random", False, True),
+    ("prefix_then_jump", True, True),
+    ("sink_recent", True, False),
+])
+def test_triton_compact(g, d, bs, dtype, pattern, per_head, with_scores):
+    gen = torch.Generator().manual_seed(g * 1000 + d + bs + len(pattern))
+    lens = [bs + 5, 2 * bs - 3, 70]  # compaction needs at least kmax tokens unless per-head counts
+    if per_head:
+        lens = [1] + lens
+    kmax = min(lens) if not per_head else 21
+    k, v, bt = make_paged(gen, lens, HKV, d, bs, dtype, kv_pair=(g != 8))
+    keep, counts = make_keep(gen, lens, HKV, kmax, pattern, per_head)
+    scores = torch.rand(len(lens), HKV * g, max(lens) + 2, generator=gen).to(DEVICE) if with_scores else None
+    k2, v2 = k.clone(), v.clone()
+    s2 = None if scores is None else scores.clone()
+    counts_d = None if counts is None else counts.to(DEVICE)
+    ref.compact_kv_batched(k, v, bt, keep.to(DEVICE), counts_d, scores)
+    tk().compact_kv_batched(k2, v2, bt, keep.to(DEVICE), counts_d, s2, block_j=8)
+    assert torch.equal(k2, k) and torch.equal(v2, v)  # whole caches: nothing else touched
+    if with_scores:
+        assert torch.equal(s2, scores)
+
+
+@needs_triton
+def test_triton_compact_single_and_no_zero_tail():
+    gen = torch.Generator().manual_seed(13)
+    k, v, bt = make_paged(gen, [50], 2, 64, 16, BF16)
+    keep = torch.stack([torch.randperm(50, generator=gen)[:20].sort().values for _ in range(2)]).to(DEVICE)
+    sc = torch.rand(6, 50, generator=gen).to(DEVICE)
+    k2, v2, sc2 = k.clone(), v.clone(), sc.clone()
+    ref.compact_kv(k, v, bt[0], keep, scores=sc, zero_score_tail=False)
+    tk().compact_kv(k2, v2, bt[0], keep, scores=sc2, zero_score_tail=False)
+    assert torch.equal(k, k2) and torch.equal(v, v2) and torch.equal(sc, sc2)
+    assert torch.equal(sc[:, 20:], sc2[:, 20:])
+
+
+# ---------------------------------------------------------------------------------------
+# dispatch
+# ---------------------------------------------------------------------------------------
+
+
+def test_get_ops_dispatch():
+    cpu = get_ops("cpu")
+    assert cpu.backend == "torch"
+    for name in OP_NAMES:
+        assert callable(getattr(cpu, name))
+    cuda = get_ops("cuda")
+    assert cuda.backend == ("triton" if torch.cuda.is_available() and HAVE_TRITON else "torch")
+    assert get_ops("cuda", prefer_triton=False).backend == "torch"
+
+
+@needs_triton
+def test_triton_module_exposes_same_ops():
+    import inspect
+
+    mod = tk()
+    for name in OP_NAMES:
+        fn_t, fn_r = getattr(mod, name), getattr(ref, name)
+        params_r = list(inspect.signature(fn_r).parameters)
+        params_t = list(inspect.signature(fn_t).parameters)
+        assert params_t[: len(params_r)] == params_r, name  # Triton may only add keyword options
