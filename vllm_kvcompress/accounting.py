@@ -31,8 +31,8 @@ class RequestStats:
     tokens_evicted: int = 0
     blocks_freed: int = 0
     compressions: int = 0
-    blocks_held: int = 0  # after the latest compression (0 if never compressed)
-    tokens_kept: int = 0
+    tokens_kept: int = 0  # physical length after the latest compression
+    blocks_held: int = 0  # after the latest compression, then when the cache was released
     finished: bool = False
 
 
@@ -66,11 +66,12 @@ class CompressionStats:
         self.blocks_freed += blocks_freed
         self.compressions += 1
 
-    def finish(self, request_id: str, preempted: bool) -> None:
+    def finish(self, request_id: str, preempted: bool, blocks_held: int) -> None:
         r = self.requests.pop(request_id, None)
         if r is None:
             return
         r.finished = True
+        r.blocks_held = blocks_held
         # A preempted request starts over (re-prefill, new state); its first
         # life is kept under a distinct key so totals stay explainable.
         key = request_id

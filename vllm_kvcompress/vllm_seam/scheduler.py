@@ -116,10 +116,12 @@ class KVCompressScheduler(Scheduler):
 
     def _free_request_blocks(self, request) -> None:
         # Preemption and finish both end here: the request's cache is gone.
+        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        held = len(manager.req_to_blocks.get(request.request_id, ()))
         super()._free_request_blocks(request)
         self.kvc_states.pop(request.request_id, None)
         self._kvc_started.pop(request.request_id, None)
-        self.kvc_stats.finish(request.request_id, preempted=not request.is_finished())
+        self.kvc_stats.finish(request.request_id, preempted=not request.is_finished(), blocks_held=held)
 
     # ---------------------------------------------------------------- stats
 

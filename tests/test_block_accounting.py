@@ -1,0 +1,103 @@
+"""Evicted tokens' blocks go back to vLLM's pool, and nothing leaks.
+
+A deliberately small KV cache (40 blocks of 32 tokens) so that long
+uncompressed requests force preemption. The engine core runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) so that `step()` is exactly one scheduler
+step and the pool can be read between steps; requests are driven step by step
+so some can be aborted mid-flight.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import BLOCK_SIZE, Engine, engine_kwargs, random_prompts
+from vllm_kvcompress.planner import cdiv
+
+NUM_BLOCKS = 40
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    import vllm.envs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        engine = Engine(**engine_kwargs(tiny_model, kv_compress="none", num_gpu_blocks_override=NUM_BLOCKS))
+        yield engine
+        engine.close()
+    vllm.envs.disable_envs_cache()  # the in-process engine cached the environment
+
+
+def params(max_tokens: int, config: dict | None):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                          extra_args=None if config is None else {"kv_compress": config})
+
+
+def request_stats(engine, request_id: str) -> dict:
+    """Stats of a request by the id given to add_request (vLLM appends a suffix)."""
+    matches = [v for k, v in engine.stats()["requests"].items() if k.split("-")[0] == request_id]
+    assert len(matches) == 1, engine.stats()["requests"].keys()
+    return matches[0]
+
+
+def test_blocks_return_to_pool_mid_request(engine):
+    core = engine.llm.llm_engine
+    start = engine.stats()
+    assert start["free_blocks"] == start["total_blocks"]
+    (prompt,) = random_prompts((300,), seed=11)
+    core.add_request("midreq", {"prompt_token_ids": prompt}, params(8, {"policy": "snapkv", "budget": 64}))
+    core.step()  # prefill: 300 tokens in 10 blocks
+    after_prefill = engine.stats()["free_blocks"]
+    assert after_prefill == start["free_blocks"] - cdiv(300, BLOCK_SIZE)
+    core.step()  # compress to 64 tokens (2 blocks) and decode one token (3rd block)
+    after_compress = engine.stats()["free_blocks"]
+    assert after_compress == start["free_blocks"] - cdiv(65, BLOCK_SIZE)
+    while core.has_unfinished_requests():
+        core.step()
+    stats = request_stats(engine, "midreq")
+    assert stats["tokens_evicted"] == 300 - 64
+    assert stats["blocks_freed"] == cdiv(300, BLOCK_SIZE) - cdiv(64, BLOCK_SIZE)
+    assert engine.stats()["free_blocks"] == start["free_blocks"]
+
+
+def test_no_leak_with_preemption_and_aborts(engine):
+    core = engine.llm.llm_engine
+    start = engine.stats()
+    prompts = random_prompts((200, 230, 180, 260, 210, 190, 240, 220), seed=5)
+    configs = [None, None, None, None,
+               {"policy": "h2o", "budget": 64}, {"policy": "snapkv", "budget": 64},
+               {"policy": "streamingllm", "budget": 48}, {"policy": "tova", "budget": 64}]
+    max_tokens = 260
+    for i, (prompt, config) in enumerate(zip(prompts, configs)):
+        core.add_request(f"r{i}", {"prompt_token_ids": prompt}, params(max_tokens, config))
+    # Abort an uncompressed and a compressed request at different points.
+    abort_at = {5: "r1", 40: "r5"}
+    finished: dict[str, int] = {}
+    step = 0
+    while core.has_unfinished_requests():
+        if step in abort_at:
+            core.abort_request([abort_at[step]])
+        for out in core.step():
+            if out.finished:
+                finished[out.request_id.split("-")[0]] = len(out.outputs[0].token_ids)
+        step += 1
+    end = engine.stats()
+    assert end["preemptions"] > start["preemptions"], "the cache was meant to be too small"
+    assert end["free_blocks"] == end["total_blocks"] == start["free_blocks"]
+    for rid in {f"r{i}" for i in range(8)} - set(abort_at.values()):
+        assert finished.get(rid) == max_tokens, rid
+
+
+def test_8x_compressed_request_holds_an_eighth_of_the_blocks(engine):
+    (prompt,) = random_prompts((512,), seed=13)
+    new_tokens = 16
+    engine.generate([prompt], new_tokens, [None])
+    engine.generate([prompt], new_tokens, [{"policy": "snapkv", "compression_ratio": 0.875}])
+    finished = [v for v in engine.stats()["requests"].values() if v["finished"] and v["prefill_len"] == 512]
+    plain, squeezed = finished[-2], finished[-1]
+    assert plain["tokens_evicted"] == 0 and squeezed["tokens_kept"] == 64
+    assert plain["blocks_held"] == cdiv(512 + new_tokens - 1, BLOCK_SIZE)
+    assert squeezed["blocks_held"] <= plain["blocks_held"] / 8 + 1
