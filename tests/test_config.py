@@ -1,0 +1,85 @@
+"""KVCompressConfig: one validation for CLI, Python, YAML and per-request use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
+from vllm_kvcompress.policies import POLICIES
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+def error(data) -> str:
+    with pytest.raises(KVCompressConfigError) as e:
+        KVCompressConfig.from_dict(data)
+    return str(e.value)
+
+
+def test_defaults_and_round_trip():
+    cfg = KVCompressConfig.from_dict({"policy": "snapkv", "budget": 256, "window": 16})
+    assert cfg.enabled and cfg.params == {"window": 16}
+    assert KVCompressConfig.from_dict(cfg.to_dict()) == cfg
+    assert not KVCompressConfig.from_dict({}).enabled
+
+
+@pytest.mark.parametrize("data, field, hint", [
+    ({"policy": "snapkvv", "budget": 8}, "kv_compress.policy", "'snapkv'"),
+    ({"policy": "snapkv"}, "kv_compress.budget", "compression_ratio"),
+    ({"policy": "snapkv", "budget": 64, "compression_ratio": 0.5}, "kv_compress.budget", "exactly one"),
+    ({"policy": "snapkv", "compression_ratio": 1.0}, "kv_compress.compression_ratio", "[0, 1)"),
+    ({"policy": "snapkv", "compression_ratio": -0.1}, "kv_compress.compression_ratio", "[0, 1)"),
+    ({"policy": "snapkv", "budget": 16, "window": 32}, "kv_compress.budget", ">= 32"),
+    ({"policy": "streamingllm", "budget": 4}, "kv_compress.budget", ">= 5"),
+    ({"policy": "snapkv", "budget": 64, "sink_tokens": 4}, "kv_compress.sink_tokens", "'window'"),
+    ({"policy": "snapkv", "budget": 64, "bogus": 1}, "kv_compress.bogus", "valid fields"),
+    ({"policy": "snapkv", "budget": "64"}, "kv_compress.budget", "expected int"),
+    ({"policy": "snapkv", "budget": True}, "kv_compress.budget", "expected int"),
+    ({"policy": "snapkv", "budget": 64, "pooling": "median"}, "pooling", "['avg', 'max']"),
+    ({"policy": "snapkv", "budget": 64, "kernel_size": 4}, "kernel_size", "odd"),
+    ({"policy": "h2o", "budget": 64, "recent_ratio": 2.0}, "recent_ratio", "[0, 1]"),
+    ({"policy": "none", "budget": 64}, "kv_compress.policy", "other than 'none'"),
+    ({"policy": "h2o", "budget": 64, "interval": 0}, "kv_compress.interval", ">= 1"),
+])
+def test_errors_name_the_field_and_the_valid_values(data, field, hint):
+    message = error(data)
+    assert field in message and hint in message, message
+
+
+def test_float_fields_accept_ints():
+    assert KVCompressConfig.from_dict({"policy": "h2o", "budget": 64, "recent_ratio": 1}).params["recent_ratio"] == 1.0
+
+
+def test_merged_per_request_overrides():
+    base = KVCompressConfig.from_dict({"policy": "snapkv", "budget": 256, "window": 16})
+    assert base.merged({"budget": 128}).to_dict() == {"policy": "snapkv", "budget": 128, "window": 16}
+    assert base.merged({"compression_ratio": 0.5}).budget is None
+    # Switching policy drops the old policy's parameters, keeps the budget.
+    assert base.merged({"policy": "h2o"}).to_dict() == {"policy": "h2o", "budget": 256}
+    assert not base.merged({"policy": "none", "budget": None}).enabled
+    with pytest.raises(KVCompressConfigError, match="kv_compress.kernel_size"):
+        base.merged({"policy": "h2o", "kernel_size": 3})
+
+
+def test_ratio_budget_resolution():
+    cfg = KVCompressConfig.from_dict({"policy": "snapkv", "compression_ratio": 0.75, "window": 8})
+    assert cfg.resolve_budget(1000, 8) == 250
+    assert cfg.resolve_budget(10, 8) == 8  # never below the protected tokens
+    assert KVCompressConfig.from_dict({"policy": "snapkv", "compression_ratio": 0.0}).resolve_budget(77, 32) == 77
+
+
+def test_every_policy_has_a_recipe_that_validates():
+    names = {KVCompressConfig.from_yaml(p).policy for p in RECIPES}
+    assert names >= set(POLICIES) - {"none"}
+
+
+def test_yaml_errors_are_clear(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kv_compress:\n  policy: h2o\n  budget: 64\n  window: 8\n")
+    with pytest.raises(KVCompressConfigError, match="kv_compress.window"):
+        KVCompressConfig.from_yaml(bad)
+    bad.write_text("- snapkv\n")
+    with pytest.raises(KVCompressConfigError, match="mapping"):
+        KVCompressConfig.from_yaml(bad)

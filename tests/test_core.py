@@ -1,0 +1,139 @@
+"""Plain-code pieces without an engine: selection, policies, planner, cache layout, oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_kvcompress.cache_layout import CPUAttnLayout
+from vllm_kvcompress.compression import RequestCompression
+from vllm_kvcompress.config import KVCompressConfig
+from vllm_kvcompress.planner import RequestState
+from vllm_kvcompress.policies import Observation, select_keep
+from vllm_kvcompress.policies.base import hash_uniform, reduce_gqa
+from vllm_kvcompress.policies.snapkv import pool_scores
+
+
+def test_select_keep_protects_sinks_and_recent_and_takes_top_scores():
+    positions = torch.arange(20).expand(2, -1)
+    scores = torch.zeros(2, 20)
+    scores[0, 7], scores[0, 9], scores[1, 11], scores[1, 3] = 5, 4, 3, 2
+    keep = select_keep(scores, positions, keep=8, sinks=2, recent=4)
+    assert keep[0].tolist() == [0, 1, 7, 9, 16, 17, 18, 19]
+    assert keep[1].tolist() == [0, 1, 3, 11, 16, 17, 18, 19]
+    assert select_keep(scores, positions, keep=25, sinks=0, recent=0).shape == (2, 20)
+
+
+def test_reduce_gqa_groups_consecutive_query_heads():
+    att = torch.tensor([[1.0, 0], [3, 0], [0, 2], [0, 6]])  # 4 query heads, 2 kv heads
+    assert reduce_gqa(att, 2, "mean").tolist() == [[2.0, 0.0], [0.0, 4.0]]
+    assert reduce_gqa(att, 2, "max").tolist() == [[3.0, 0.0], [0.0, 6.0]]
+
+
+def test_pooling_matches_snapkv_reference_code():
+    s = torch.rand(3, 50)
+    assert torch.allclose(pool_scores(s, 5, "avg"), F.avg_pool1d(s, 5, 1, 2))
+    assert torch.allclose(pool_scores(s, 7, "max"), F.max_pool1d(s, 7, 1, 3))
+
+
+def test_hash_uniform_is_deterministic_and_spread():
+    a = hash_uniform(1, torch.arange(10000))
+    assert torch.equal(a, hash_uniform(1, torch.arange(10000)))
+    assert not torch.equal(a, hash_uniform(2, torch.arange(10000)))
+    assert 0 < a.min() and a.max() < 1 and abs(a.mean().item() - 0.5) < 0.02
+
+
+def snapkv_by_hand(q, k, window, budget, kernel_size):
+    """methods.md's SnapKV steps written out for one layer (GQA mean)."""
+    hq, hkv = q.shape[0], k.shape[0]
+    length = k.shape[1]
+    kr = k.repeat_interleave(hq // hkv, 0)
+    logits = q[:, -window:] @ kr.transpose(1, 2) / k.shape[-1] ** 0.5
+    qpos = torch.arange(length - window, length).view(-1, 1)
+    logits = logits.masked_fill(torch.arange(length).view(1, -1) > qpos, float("-inf"))
+    att = logits.softmax(-1)[:, :, : length - window].sum(1)
+    att = att.view(hkv, -1, length - window).mean(1)
+    att = F.avg_pool1d(att, kernel_size, 1, kernel_size // 2)
+    top = att.topk(budget - window, -1).indices
+    window_idx = torch.arange(length - window, length).expand(hkv, -1)
+    return torch.cat([top, window_idx], -1).sort(-1).values
+
+
+def test_snapkv_selection_matches_the_spec():
+    torch.manual_seed(0)
+    hq, hkv, length, d = 6, 2, 90, 16
+    q, k = torch.randn(hq, length, d), torch.randn(hkv, length, d)
+    cfg = KVCompressConfig.from_dict({"policy": "snapkv", "budget": 40, "window": 8})
+    rc = RequestCompression(cfg, length, 1, hkv, hq)
+    positions = torch.arange(length)
+    rc.append(positions)
+    mask = rc.observed(positions)
+    assert mask.sum() == 8 and mask[-8:].all()
+    logits = q[:, mask] @ k.repeat_interleave(3, 0).transpose(1, 2) / d ** 0.5
+    logits = logits.masked_fill(torch.arange(length).view(1, -1) > positions[mask].view(-1, 1), float("-inf"))
+    rc.observe(0, logits, positions[mask])
+    assert torch.equal(rc.select(0, 40), snapkv_by_hand(q, k, 8, 40, 5))
+
+
+def test_streamingllm_keeps_sinks_and_recent():
+    cfg = KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 10, "sink_tokens": 3})
+    rc = RequestCompression(cfg, 30, 2, 2, 4)
+    rc.append(torch.arange(30))
+    assert rc.select(1, 10)[0].tolist() == [0, 1, 2, 23, 24, 25, 26, 27, 28, 29]
+
+
+def test_compaction_moves_positions_and_scores_per_head():
+    cfg = KVCompressConfig.from_dict({"policy": "h2o", "budget": 4, "recent_ratio": 0.5})
+    rc = RequestCompression(cfg, 8, 1, 2, 4)
+    rc.append(torch.arange(8))
+    rc.attention[0] = torch.arange(32, dtype=torch.float32).view(4, 8)
+    keep = torch.tensor([[0, 3, 6, 7], [1, 2, 6, 7]])
+    rc.compact(0, keep)
+    assert rc.positions[0].tolist() == keep.tolist()
+    assert rc.attention[0][2].tolist() == [17.0, 18.0, 22.0, 23.0]  # query head 2 -> kv head 1
+
+
+def test_planner_schedule():
+    cfg = KVCompressConfig.from_dict({"policy": "h2o", "budget": 64})
+    state = RequestState.create(cfg, prompt_len=200)
+    assert state.next_compression(100, 32) is None  # still prefilling
+    assert state.next_compression(200, 32) == 64  # prefill ended over budget
+    assert state.commit(200, 64) == 136 and state.physical(201) == 65
+    assert state.next_compression(200 + 31, 32) is None  # 95 < 64 + 32
+    assert state.next_compression(200 + 32, 32) == 64  # 96: one block to free
+    snap = RequestState.create(KVCompressConfig.from_dict({"policy": "snapkv", "budget": 64}), prompt_len=50)
+    assert snap.next_compression(50, 32) is None and snap.next_compression(500, 32) is None  # never rolls
+
+
+def test_cpu_layout_reader_and_compaction_in_place():
+    n, h, b, d = 5, 2, 4, 3
+    cache = torch.zeros(n, h, b, 2 * d)
+    k_view, v_view = CPUAttnLayout.views(cache)
+    keys, values = torch.randn(h, 10, d), torch.randn(h, 10, d)
+    block_ids = torch.tensor([3, 0, 4])  # shuffled blocks
+    for t in range(10):
+        k_view[block_ids[t // b], :, :, t % b] = keys[:, t]
+        v_view[block_ids[t // b], :, t % b, :] = values[:, t]
+    # K is stored transposed inside each (block, head) slab, V plainly.
+    assert torch.equal(cache[3, 0].flatten()[: b * d].view(d, b)[:, 1], keys[0, 1])
+    got_k, got_v = CPUAttnLayout.gather(cache, block_ids, 10)
+    assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+    keep = torch.tensor([[0, 5, 6, 9], [2, 3, 4, 8]])
+    CPUAttnLayout.compact(cache, block_ids, keep)
+    new_k, new_v = CPUAttnLayout.gather(cache, block_ids, 4)
+    for head in range(h):
+        assert torch.equal(new_k[head], keys[head, keep[head]])
+        assert torch.equal(new_v[head], values[head, keep[head]])
+    assert cache[1].abs().sum() == 0  # blocks the request does not own are untouched
+
+
+def test_reference_decoder_without_compression_equals_transformers(tiny_model):
+    """The oracle itself is checked: no compression -> HF greedy generation."""
+    from vllm_kvcompress.reference import ReferenceDecoder
+
+    ref = ReferenceDecoder(tiny_model)
+    prompt = list(range(10, 90))
+    want = ref.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                              min_new_tokens=24)[0, len(prompt):].tolist()
+    assert ref.generate(prompt, 24)["tokens"] == want
