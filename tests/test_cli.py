@@ -1,0 +1,91 @@
+"""`vllm serve MODEL --kv-compress ...`: flags, help, validation, values reaching every process."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import requests
+
+from conftest import random_prompts
+from server_utils import VLLM, Server
+
+
+def run_vllm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([VLLM, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_the_flag_group():
+    out = run_vllm("serve", "--help=KVCompress")
+    assert out.returncode == 0, out.stderr
+    for flag in ("--kv-compress ", "--kv-compress-budget", "--kv-compress-ratio", "--kv-compress-config",
+                 "--kv-compress-window", "--kv-compress-sink-tokens", "--kv-compress-kernel-size",
+                 "--kv-compress-pooling", "--kv-compress-interval", "--kv-compress-recent-ratio"):
+        assert flag in out.stdout, flag
+    assert "snapkv 32" in out.stdout  # each policy's default is shown
+
+
+def test_bad_flag_fails_the_real_command_at_startup(tiny_model):
+    out = run_vllm("serve", tiny_model, "--dtype", "float32", "--kv-compress", "snapkv", "--kv-compress-ratio", "1.5")
+    assert out.returncode != 0
+    assert "kv_compress.compression_ratio: must be in [0, 1)" in out.stdout + out.stderr
+
+
+def serve_parser():
+    """The parser `vllm serve` builds (plugins loaded first, as in the CLI)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--kv-compress", "snapkv", "--kv-compress-budget", "8"], "kv_compress.budget: 8 is below the 32"),
+    (["--kv-compress", "snapkv"], "needs exactly one of budget"),
+    (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--kv-compress-kernel-size", "3"],
+     "kv_compress.kernel_size: unknown field for policy 'h2o'"),
+    (["--kv-compress-budget", "64"], "needs a policy other than 'none'"),
+])
+def test_bad_flag_combinations_name_the_field(tiny_model, args, needle):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from vllm_kvcompress import KVCompressConfigError
+
+    ns = serve_parser().parse_args(["--model", tiny_model, *args])
+    with pytest.raises(KVCompressConfigError) as e:
+        AsyncEngineArgs.from_cli_args(ns)
+    assert needle in str(e.value)
+
+
+def test_unknown_policy_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--model", "m", "--kv-compress", "magic"])
+    assert "invalid choice: 'magic'" in capsys.readouterr().err
+
+
+def test_no_flag_leaves_additional_config_alone(tiny_model):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = AsyncEngineArgs.from_cli_args(serve_parser().parse_args(["--model", tiny_model]))
+    assert "kv_compress" not in (args.additional_config or {})
+
+
+def test_flags_reach_engine_core_and_worker(tiny_model, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("kv_compress:\n  policy: snapkv\n  budget: 96\n  window: 8\n")
+    server = Server(tiny_model, "--kv-compress-config", str(recipe), "--kv-compress-budget", "64",
+                    "--kv-compress-kernel-size", "3", log=tmp_path / "serve.log")
+    try:
+        (prompt,) = random_prompts((300,), seed=1)
+        r = requests.post(server.url + "/v1/completions", json={
+            "model": tiny_model, "prompt": prompt, "max_tokens": 8, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        assert server.stop() == 0
+    log = server.output()
+    expected = "{'policy': 'snapkv', 'budget': 64, 'window': 8, 'kernel_size': 3}"
+    lines = [line for line in log.splitlines() if "kv_compress" in line and "ready" in line]
+    assert any(re.search(r"EngineCore.*scheduler ready", l) and expected in l for l in lines), lines
+    assert any(re.search(r"Worker.*worker ready", l) and expected in l for l in lines), lines
