@@ -66,10 +66,10 @@ class CompressionStats:
         self.blocks_freed += blocks_freed
         self.compressions += 1
 
-    def finish(self, request_id: str, preempted: bool, blocks_held: int) -> None:
+    def finish(self, request_id: str, preempted: bool, blocks_held: int) -> RequestStats | None:
         r = self.requests.pop(request_id, None)
         if r is None:
-            return
+            return None
         r.finished = True
         r.blocks_held = blocks_held
         # A preempted request starts over (re-prefill, new state); its first
@@ -81,6 +81,7 @@ class CompressionStats:
         self.finished[key] = r
         while len(self.finished) > self.max_finished:
             self.finished.popitem(last=False)
+        return r
 
     def snapshot(self, free_blocks: int) -> dict:
         return {

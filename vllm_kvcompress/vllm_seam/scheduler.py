@@ -121,7 +121,13 @@ class KVCompressScheduler(Scheduler):
         super()._free_request_blocks(request)
         self.kvc_states.pop(request.request_id, None)
         self._kvc_started.pop(request.request_id, None)
-        self.kvc_stats.finish(request.request_id, preempted=not request.is_finished(), blocks_held=held)
+        preempted = not request.is_finished()
+        r = self.kvc_stats.finish(request.request_id, preempted=preempted, blocks_held=held)
+        if r is not None and r.compressions:
+            logger.info(
+                "kv_compress %s %s: prompt %d tokens, evicted %d in %d compression(s), freed %d blocks, "
+                "held %d blocks at the end%s", r.policy, request.request_id, r.prefill_len,
+                r.tokens_evicted, r.compressions, r.blocks_freed, held, " (preempted)" if preempted else "")
 
     # ---------------------------------------------------------------- stats
 

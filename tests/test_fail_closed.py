@@ -1,0 +1,50 @@
+"""Configurations compression cannot serve are refused at startup, by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import engine_kwargs
+from vllm_kvcompress import KVCompressConfigError
+
+SNAPKV = dict(kv_compress="snapkv", kv_compress_budget=64)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}},
+     "speculative decoding"),
+    ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}}, "KV connector"),
+    ({"tensor_parallel_size": 2}, "parallelism"),
+    ({"pipeline_parallel_size": 2}, "parallelism"),
+    ({"scheduler_cls": "my.Scheduler"}, "custom scheduler_cls"),
+])
+def test_unsupported_engine_features_are_refused(tiny_model, extra, needle):
+    from vllm import LLM
+
+    with pytest.raises(KVCompressConfigError) as e:
+        LLM(**engine_kwargs(tiny_model, **SNAPKV, **extra))
+    assert needle in str(e.value)
+
+
+def test_sliding_window_model_is_refused(tiny_model, tmp_path):
+    from vllm import LLM
+
+    model = tmp_path / "sliding"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
+    with pytest.raises(KVCompressConfigError, match="sliding-window model"):
+        LLM(**engine_kwargs(str(model), **SNAPKV))
+
+
+def test_unsupported_features_are_fine_without_compression(tiny_model):
+    """The checks only apply when kv_compress is configured."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_kvcompress.vllm_seam.engine_args import prepare_engine_args
+
+    args = EngineArgs(model=tiny_model, tensor_parallel_size=2, enable_prefix_caching=True)
+    assert prepare_engine_args(args) is None and args.enable_prefix_caching
