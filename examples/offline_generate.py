@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="snapkv")
-    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--length", type=int, default=2048)
     args = parser.parse_args()

@@ -74,3 +74,17 @@ def test_compression_changes_output(engine):
     plain = engine.generate(prompts, NEW_TOKENS)
     squeezed = engine.generate(prompts, NEW_TOKENS, [{"policy": "snapkv", "budget": 40, "window": 8}])
     assert plain != squeezed
+
+
+@pytest.mark.parametrize("override, needle", [
+    ({"policy": "snapkv", "budget": 8}, "kv_compress.budget"),
+    ({"policy": "nope"}, "kv_compress.policy"),
+    ("snapkv", "expected an object"),
+])
+def test_bad_per_request_config_fails_that_request_only(engine, override, needle):
+    from vllm.exceptions import VLLMValidationError
+
+    prompts = random_prompts((50,), seed=9)
+    with pytest.raises(VLLMValidationError, match=needle):
+        engine.generate(prompts, 4, [override])
+    assert len(engine.generate(prompts, 4)[0]) == 4  # the engine keeps serving

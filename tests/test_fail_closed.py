@@ -48,3 +48,10 @@ def test_unsupported_features_are_fine_without_compression(tiny_model):
 
     args = EngineArgs(model=tiny_model, tensor_parallel_size=2, enable_prefix_caching=True)
     assert prepare_engine_args(args) is None and args.enable_prefix_caching
+
+
+def test_quantised_kv_cache_is_refused(tiny_model):
+    from vllm import LLM
+
+    with pytest.raises(KVCompressConfigError, match="quantised KV cache"):
+        LLM(**engine_kwargs(tiny_model, **SNAPKV, kv_cache_dtype="fp8"))

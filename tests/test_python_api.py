@@ -67,3 +67,7 @@ def test_plugin_is_inert_without_kv_compress(start_engine, tiny_model):
     without = run_script(tiny_model, env={"VLLM_PLUGINS": "lora_filesystem_resolver"})
     assert not without["imported_plugin"]
     assert with_plugin == without["tokens"]
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="started without kv_compress"):
+        engine.generate(PROMPTS[:1], 4, [{"policy": "snapkv", "budget": 64}])

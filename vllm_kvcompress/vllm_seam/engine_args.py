@@ -146,6 +146,8 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
         raise _refuse("a KV connector (it addresses blocks by logical position)")
     if args.pipeline_parallel_size > 1 or args.data_parallel_size > 1 or args.tensor_parallel_size > 1:
         raise _refuse("tensor/pipeline/data parallelism (single-worker only so far)")
+    if args.kv_cache_dtype not in (None, "auto"):
+        raise _refuse(f"a quantised KV cache (kv_cache_dtype={args.kv_cache_dtype}; compaction copies raw values)")
     if args.scheduler_cls not in (None, SCHEDULER_CLS) and "vllm.v1.core.sched" not in str(args.scheduler_cls):
         raise _refuse(f"a custom scheduler_cls ({args.scheduler_cls})")
     if args.enable_prefix_caching:
@@ -185,3 +187,40 @@ def wrap_create_engine_config(original):
         return vllm_config
 
     return create_engine_config
+
+
+# ---------------------------------------------------------------- per request
+
+
+def wrap_validate_params(original):
+    """Check a request's `extra_args["kv_compress"]` where vLLM checks its params.
+
+    A bad value then fails that request (HTTP 400 from the server, an exception
+    from LLM.generate) instead of the engine core, which would take every other
+    request down with it.
+    """
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+
+    def _validate_params(self, params, *args, **kwargs):
+        result = original(self, params, *args, **kwargs)
+        overrides = (params.extra_args or {}).get(CONFIG_KEY) if isinstance(params, SamplingParams) else None
+        if overrides is None:
+            return result
+        engine = (self.vllm_config.additional_config or {}).get(CONFIG_KEY)
+        if engine is None:
+            raise VLLMValidationError(
+                "kv_compress: this engine was started without kv_compress; start it with "
+                "--kv-compress POLICY (or --kv-compress none) to allow per-request compression",
+                parameter=CONFIG_KEY)
+        if not isinstance(overrides, Mapping):
+            raise VLLMValidationError(
+                f"kv_compress: expected an object like {{\"policy\": \"snapkv\", \"budget\": 256}}, "
+                f"got {type(overrides).__name__}", parameter=CONFIG_KEY)
+        try:
+            KVCompressConfig.from_dict(engine).merged(overrides)
+        except KVCompressConfigError as e:
+            raise VLLMValidationError(str(e), parameter=CONFIG_KEY) from None
+        return result
+
+    return _validate_params
