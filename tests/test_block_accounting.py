@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BLOCK_SIZE, Engine, engine_kwargs, random_prompts
+from helpers import BLOCK_SIZE, Engine, engine_kwargs, random_prompts
 from vllm_kvcompress.planner import cdiv
 
 NUM_BLOCKS = 40

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import engine_kwargs, random_prompts
+from helpers import engine_kwargs, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
 
 CHUNK = 48  # tokens per step: a 200-token prompt takes 5 chunks; the window spans 2

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import requests
 
-from conftest import random_prompts
+from helpers import random_prompts
 from server_utils import VLLM, Server
 
 

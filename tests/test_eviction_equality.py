@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import engine_kwargs, random_prompts
+from helpers import engine_kwargs, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.policies import POLICIES
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import engine_kwargs
+from helpers import engine_kwargs
 from vllm_kvcompress import KVCompressConfigError
 
 SNAPKV = dict(kv_compress="snapkv", kv_compress_budget=64)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import engine_kwargs, random_prompts
+from helpers import engine_kwargs, random_prompts
 from vllm_kvcompress import KVCompressConfigError
 
 SCRIPT = Path(__file__).parent / "scripts" / "generate.py"

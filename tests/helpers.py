@@ -1,0 +1,56 @@
+"""Helpers shared by the engine tests (imported as `helpers`)."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+BLOCK_SIZE = 32  # small blocks: evictions free blocks at small budgets
+
+
+def engine_kwargs(model: str, **overrides) -> dict:
+    kwargs = dict(
+        model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
+        max_model_len=1024, seed=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+class Engine:
+    """A started `LLM`, closed by `close()` (fixtures call it at teardown)."""
+
+    def __init__(self, **kwargs) -> None:
+        from vllm import LLM
+
+        import vllm_kvcompress  # noqa: F401  (LLM(kv_compress=...) keywords)
+
+        self.llm = LLM(**kwargs)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 40, overrides=None) -> list[list[int]]:
+        """Greedy tokens per prompt; `overrides[i]` is prompt i's kv_compress extra_args."""
+        from vllm import SamplingParams
+
+        overrides = overrides or [None] * len(prompts)
+        params = [
+            SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                           extra_args=None if o is None else {"kv_compress": o})
+            for o in overrides
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def stats(self) -> dict:
+        import vllm_kvcompress
+
+        return vllm_kvcompress.stats(self.llm)
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 2000) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

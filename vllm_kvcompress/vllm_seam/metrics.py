@@ -1,0 +1,113 @@
+"""Prometheus metrics on the server's `/metrics`.
+
+The counters live where the work happens: the scheduler (engine-core process)
+counts evictions and blocks, the worker times scoring and compaction. Each
+writes a small JSON snapshot into a per-engine folder (at most twice a second,
+and at once when the engine goes idle); the API server, which serves
+`/metrics`, registers a collector that sums the snapshots at scrape time. vLLM's
+own metrics and registry are left untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+ENV = "VLLM_KVCOMPRESS_METRICS_DIR"  # inherited by the engine core and workers
+PREFIX = "vllm:kv_compress_"
+RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.875, 0.9375, 1.0)
+MIN_INTERVAL = 0.5  # seconds between snapshot writes while busy
+
+
+class SnapshotWriter:
+    """Writes one process's counters to its file, throttled."""
+
+    def __init__(self, name: str) -> None:
+        folder = os.environ.get(ENV)
+        self.path = Path(folder) / f"{name}-{os.getpid()}.json" if folder else None
+        self.last = 0.0
+
+    def write(self, data: dict, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.path is None or (not force and now - self.last < MIN_INTERVAL):
+            return
+        self.last = now
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.path)  # readers never see half a file
+
+
+def ratio_histogram(ratios: list[float]) -> dict:
+    counts = [sum(1 for r in ratios if r <= b) for b in RATIO_BUCKETS]
+    return {"buckets": counts, "count": len(ratios), "sum": sum(ratios)}
+
+
+class KVCompressCollector:
+    """Prometheus collector summing the engine processes' snapshots."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def _snapshots(self, prefix: str) -> list[dict]:
+        out = []
+        for path in self.folder.glob(f"{prefix}-*.json"):
+            try:
+                out.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue  # replaced between glob and read
+        return out
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        sched = self._snapshots("scheduler")
+        workers = self._snapshots("worker")
+
+        def total(key: str) -> float:
+            return sum(s.get(key, 0) for s in sched)
+
+        for key, text in (
+            ("tokens_evicted", "KV tokens evicted by compression"),
+            ("blocks_freed", "KV blocks returned to the block pool by compression"),
+            ("compressions", "Compactions performed"),
+            ("requests_compressed", "Requests compressed at least once"),
+        ):
+            yield CounterMetricFamily(PREFIX + key, text, value=total(key))
+        yield GaugeMetricFamily(PREFIX + "free_blocks", "Free KV blocks in the pool", value=total("free_blocks"))
+        yield GaugeMetricFamily(PREFIX + "total_blocks", "KV blocks in the pool", value=total("total_blocks"))
+        hist = HistogramMetricFamily(
+            PREFIX + "request_compression_ratio",
+            "Per finished compressed request: fraction of its tokens evicted (kvpress convention)")
+        buckets = [0] * len(RATIO_BUCKETS)
+        count = ratio_sum = 0
+        for s in sched:
+            h = s.get("ratio_histogram", {})
+            buckets = [a + b for a, b in zip(buckets, h.get("buckets", [0] * len(RATIO_BUCKETS)))]
+            count += h.get("count", 0)
+            ratio_sum += h.get("sum", 0.0)
+        hist.add_metric([], [*((str(b), c) for b, c in zip(RATIO_BUCKETS, buckets)), ("+Inf", count)], ratio_sum)
+        yield hist
+        seconds = CounterMetricFamily(PREFIX + "seconds", "Worker time spent on compression", labels=["phase"])
+        for phase in ("scoring", "compaction"):
+            seconds.add_metric([phase], sum(w.get(phase, 0.0) for w in workers))
+        yield seconds
+
+
+_registered: str | None = None
+
+
+def enable_metrics() -> None:
+    """In the serving process: make a folder for the engine's snapshots and
+    expose them on /metrics. Runs before the engine processes are spawned."""
+    global _registered
+    if _registered is not None:
+        return
+    from prometheus_client import REGISTRY
+
+    folder = tempfile.mkdtemp(prefix="vllm-kvcompress-metrics-")
+    os.environ[ENV] = folder
+    REGISTRY.register(KVCompressCollector(folder))
+    _registered = folder
