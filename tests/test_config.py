@@ -58,7 +58,7 @@ def test_merged_per_request_overrides():
     assert base.merged({"compression_ratio": 0.5}).budget is None
     # Switching policy drops the old policy's parameters, keeps the budget.
     assert base.merged({"policy": "h2o"}).to_dict() == {"policy": "h2o", "budget": 256}
-    assert not base.merged({"policy": "none", "budget": None}).enabled
+    assert base.merged({"policy": "none"}) == KVCompressConfig()
     with pytest.raises(KVCompressConfigError, match="kv_compress.kernel_size"):
         base.merged({"policy": "h2o", "kernel_size": 3})
 
@@ -83,3 +83,15 @@ def test_yaml_errors_are_clear(tmp_path):
     bad.write_text("- snapkv\n")
     with pytest.raises(KVCompressConfigError, match="mapping"):
         KVCompressConfig.from_yaml(bad)
+
+
+def test_request_overrides_from_extra_args():
+    from vllm_kvcompress.config import request_overrides
+
+    assert request_overrides(None) is None and request_overrides({"other": 1}) is None
+    assert request_overrides({"kv_compress": {"policy": "h2o", "budget": 8}}) == {"policy": "h2o", "budget": 8}
+    # The OpenAI server's vllm_xargs carries flat values only.
+    assert request_overrides({"kv_compress": "h2o", "kv_compress_budget": 64, "kv_compress_ratio": 0.5}) == {
+        "policy": "h2o", "budget": 64, "compression_ratio": 0.5}
+    with pytest.raises(KVCompressConfigError, match="kv_compress.policy"):
+        request_overrides({"kv_compress": 3})

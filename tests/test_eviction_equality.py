@@ -79,7 +79,8 @@ def test_compression_changes_output(engine):
 @pytest.mark.parametrize("override, needle", [
     ({"policy": "snapkv", "budget": 8}, "kv_compress.budget"),
     ({"policy": "nope"}, "kv_compress.policy"),
-    ("snapkv", "expected an object"),
+    ("snapkv", "needs exactly one of budget"),  # a policy name alone; the engine has no budget
+    (["snapkv"], "expected a policy name or an object"),
 ])
 def test_bad_per_request_config_fails_that_request_only(engine, override, needle):
     from vllm.exceptions import VLLMValidationError

@@ -83,8 +83,8 @@ class CompressionStats:
             self.finished.popitem(last=False)
         return r
 
-    def snapshot(self, free_blocks: int) -> dict:
-        return {
+    def snapshot(self, free_blocks: int, per_request: bool = True) -> dict:
+        out = {
             "total_blocks": self.total_blocks,
             "free_blocks": free_blocks,
             "tokens_evicted": self.tokens_evicted,
@@ -92,5 +92,7 @@ class CompressionStats:
             "compressions": self.compressions,
             "requests_compressed": self.requests_compressed,
             "preemptions": self.preemptions,
-            "requests": {k: asdict(v) for k, v in {**self.finished, **self.requests}.items()},
         }
+        if per_request:
+            out["requests"] = {k: asdict(v) for k, v in {**self.finished, **self.requests}.items()}
+        return out

@@ -25,6 +25,10 @@ CONFIG_KEY = "kv_compress"  # key inside vLLM's additional_config / extra_args
 COMMON_FIELDS = ("policy", "budget", "compression_ratio", "interval")
 
 
+# Short names accepted for fields (the CLI flag is --kv-compress-ratio).
+FIELD_ALIASES = {"ratio": "compression_ratio"}
+
+
 class KVCompressConfigError(ValueError):
     """A configuration value that cannot be served; the message names the field."""
 
@@ -120,12 +124,16 @@ class KVCompressConfig:
     def merged(self, overrides: Mapping[str, Any]) -> KVCompressConfig:
         """This config with `overrides` applied (e.g. a request's extra_args).
 
-        Switching policy drops the old policy's parameters; giving `budget`
-        drops an inherited `compression_ratio` and vice versa.
+        Switching policy drops the old policy's parameters (switching to
+        `none` drops everything); giving `budget` drops an inherited
+        `compression_ratio` and vice versa.
         """
         overrides = dict(overrides)
         base = self.to_dict()
-        if overrides.get("policy", self.policy) != self.policy:
+        policy = overrides.get("policy", self.policy)
+        if policy == "none":
+            base = {}  # off: nothing to inherit
+        elif policy != self.policy:
             base = {k: base[k] for k in ("budget", "compression_ratio", "interval") if k in base}
         if "budget" in overrides:
             base.pop("compression_ratio", None)
@@ -187,3 +195,29 @@ class KVCompressConfig:
             return self.budget
         removed = math.floor(prompt_len * self.compression_ratio)
         return max(prompt_len - removed, min_budget)
+
+
+def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A request's kv_compress overrides from `SamplingParams.extra_args`.
+
+    Accepts `{"kv_compress": {...}}` (Python), `{"kv_compress": "snapkv"}` (a
+    policy name) and flat `kv_compress_<field>` keys, which is what the
+    OpenAI server's `vllm_xargs` can carry (no nested objects):
+    `{"kv_compress": "h2o", "kv_compress_budget": 256}`.
+    """
+    if not extra_args:
+        return None
+    out: dict[str, Any] = {}
+    nested = extra_args.get(CONFIG_KEY)
+    if isinstance(nested, str):
+        out["policy"] = nested
+    elif isinstance(nested, Mapping):
+        out.update(nested)
+    elif nested is not None:
+        raise _fail("policy", f"expected a policy name or an object, got {type(nested).__name__} {nested!r}")
+    prefix = CONFIG_KEY + "_"
+    for key, value in extra_args.items():
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+            out[FIELD_ALIASES.get(name, name)] = value
+    return out or None

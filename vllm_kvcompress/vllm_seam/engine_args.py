@@ -12,8 +12,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, all_policy_params
+from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, all_policy_params, request_overrides
 from ..policies import POLICIES
+from . import metrics
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
@@ -183,6 +184,7 @@ def wrap_create_engine_config(original):
         vllm_config = original(self, *args, **kwargs)
         if config is not None:
             check_model(vllm_config)
+            metrics.enable_metrics()
             logger.info("kv_compress enabled: %s", config.to_dict())
         return vllm_config
 
@@ -204,20 +206,17 @@ def wrap_validate_params(original):
 
     def _validate_params(self, params, *args, **kwargs):
         result = original(self, params, *args, **kwargs)
-        overrides = (params.extra_args or {}).get(CONFIG_KEY) if isinstance(params, SamplingParams) else None
-        if overrides is None:
+        if not isinstance(params, SamplingParams):
             return result
-        engine = (self.vllm_config.additional_config or {}).get(CONFIG_KEY)
-        if engine is None:
-            raise VLLMValidationError(
-                "kv_compress: this engine was started without kv_compress; start it with "
-                "--kv-compress POLICY (or --kv-compress none) to allow per-request compression",
-                parameter=CONFIG_KEY)
-        if not isinstance(overrides, Mapping):
-            raise VLLMValidationError(
-                f"kv_compress: expected an object like {{\"policy\": \"snapkv\", \"budget\": 256}}, "
-                f"got {type(overrides).__name__}", parameter=CONFIG_KEY)
         try:
+            overrides = request_overrides(params.extra_args)
+            if overrides is None:
+                return result
+            engine = (self.vllm_config.additional_config or {}).get(CONFIG_KEY)
+            if engine is None:
+                raise KVCompressConfigError(
+                    "kv_compress: this engine was started without kv_compress; start it with "
+                    "--kv-compress POLICY (or --kv-compress none) to allow per-request compression")
             KVCompressConfig.from_dict(engine).merged(overrides)
         except KVCompressConfigError as e:
             raise VLLMValidationError(str(e), parameter=CONFIG_KEY) from None

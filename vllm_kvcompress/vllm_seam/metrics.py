@@ -10,8 +10,10 @@ own metrics and registry are left untouched.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -40,9 +42,21 @@ class SnapshotWriter:
         tmp.replace(self.path)  # readers never see half a file
 
 
-def ratio_histogram(ratios: list[float]) -> dict:
-    counts = [sum(1 for r in ratios if r <= b) for b in RATIO_BUCKETS]
-    return {"buckets": counts, "count": len(ratios), "sum": sum(ratios)}
+class RatioHistogram:
+    """Cumulative bucket counts of per-request compression ratios."""
+
+    def __init__(self) -> None:
+        self.buckets = [0] * len(RATIO_BUCKETS)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, ratio: float) -> None:
+        self.buckets = [c + (ratio <= b) for c, b in zip(self.buckets, RATIO_BUCKETS)]
+        self.count += 1
+        self.sum += ratio
+
+    def to_dict(self) -> dict:
+        return {"buckets": self.buckets, "count": self.count, "sum": self.sum}
 
 
 class KVCompressCollector:
@@ -108,6 +122,7 @@ def enable_metrics() -> None:
     from prometheus_client import REGISTRY
 
     folder = tempfile.mkdtemp(prefix="vllm-kvcompress-metrics-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     os.environ[ENV] = folder
     REGISTRY.register(KVCompressCollector(folder))
     _registered = folder

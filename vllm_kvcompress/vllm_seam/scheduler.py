@@ -15,9 +15,10 @@ import os
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError
+from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..planner import RequestState, cdiv
 from ..accounting import PLAN_ATTR, CompressionStats, StepPlan
+from .metrics import RatioHistogram, SnapshotWriter
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
@@ -38,6 +39,8 @@ class KVCompressScheduler(Scheduler):
         self.kvc_states: dict[str, RequestState] = {}
         self.kvc_stats = CompressionStats(total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
         self._kvc_started: dict[str, tuple[int, dict]] = {}
+        self._kvc_snapshot = SnapshotWriter("scheduler")
+        self._kvc_ratios = RatioHistogram()  # finished compressed requests, for /metrics
         logger.info("kv_compress scheduler ready (pid %d): %s, block %d",
                     os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size)
         # Allocation must count physical slots. Wrapping this instance's method
@@ -62,8 +65,9 @@ class KVCompressScheduler(Scheduler):
     def _request_state(self, request) -> RequestState:
         state = self.kvc_states.get(request.request_id)
         if state is None:
-            extra = (request.sampling_params.extra_args or {}) if request.sampling_params else {}
-            overrides = extra.get(CONFIG_KEY)
+            params = request.sampling_params
+            # Validated in the front end (InputProcessor) already.
+            overrides = request_overrides(params.extra_args if params else None)
             config = self.kvc_config.merged(overrides) if overrides else self.kvc_config
             # A resumed (preempted) request re-prefills its outputs too.
             prefill_len = max(request.num_prompt_tokens, request.num_tokens - 1)
@@ -112,7 +116,16 @@ class KVCompressScheduler(Scheduler):
             if rid in self.kvc_states
         }
         setattr(output, PLAN_ATTR, StepPlan(started=started, ops=ops, evicted=evicted))
+        if ops:
+            self._write_snapshot()
         return output
+
+    def _write_snapshot(self) -> None:
+        data = self.kvc_stats.snapshot(self.kv_cache_manager.block_pool.get_num_free_blocks(), per_request=False)
+        data["ratio_histogram"] = self._kvc_ratios.to_dict()
+        # Exact when the engine goes idle; throttled while it is busy.
+        idle = all(r.is_finished() for r in self.running) and not self.waiting
+        self._kvc_snapshot.write(data, force=idle)
 
     def _free_request_blocks(self, request) -> None:
         # Preemption and finish both end here: the request's cache is gone.
@@ -123,6 +136,10 @@ class KVCompressScheduler(Scheduler):
         self._kvc_started.pop(request.request_id, None)
         preempted = not request.is_finished()
         r = self.kvc_stats.finish(request.request_id, preempted=preempted, blocks_held=held)
+        if r is not None and r.compressions and not preempted:
+            self._kvc_ratios.observe(r.tokens_evicted / (r.tokens_evicted + r.tokens_kept))
+        if r is not None:
+            self._write_snapshot()
         if r is not None and r.compressions:
             logger.info(
                 "kv_compress %s %s: prompt %d tokens, evicted %d in %d compression(s), freed %d blocks, "

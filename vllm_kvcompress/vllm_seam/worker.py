@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from ..compression import RequestCompression
 from ..config import CONFIG_KEY, KVCompressConfig
 from ..planner import cdiv
 from ..accounting import PLAN_ATTR, StepPlan
+from .metrics import SnapshotWriter
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
@@ -45,6 +47,7 @@ class StepObservation:
         self.layers_seen = 0
 
     def observe(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        start = time.perf_counter()
         layer = self.worker.layer_of[layer_name]
         for state, token_idx, q_log, q_phys, seq_len, block_ids in self.items:
             keys = self.worker.layout.gather_keys(kv_cache, block_ids, seq_len).to(torch.float32)
@@ -58,9 +61,11 @@ class StepObservation:
                 logits = torch.bmm(q, keys.transpose(1, 2)).view(-1, n, seq_len) * self.worker.scale
                 logits.masked_fill_(key_pos.view(1, 1, -1) > q_phys[sl].view(1, -1, 1), float("-inf"))
                 state.observe(layer, logits, q_log[sl])
+        self.worker.seconds["scoring"] += time.perf_counter() - start
         self.layers_seen += 1
         if self.layers_seen == self.worker.num_layers:
             set_active(None)  # a later warm-up or dummy run must not observe
+            self.worker.snapshot.write(self.worker.seconds)
 
 
 def check_cpu_layout(layer) -> None:
@@ -117,6 +122,8 @@ class WorkerCompression:
         check_cpu_layout(first)
         self.states: dict[str, RequestCompression] = {}
         self.evicted: dict[str, int] = {}
+        self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
+        self.snapshot = SnapshotWriter("worker")
         logger.info("kv_compress worker ready (pid %d): %s, %d layers, block %d",
                     os.getpid(), self.config.to_dict(), self.num_layers, self.block_size)
 
@@ -137,8 +144,12 @@ class WorkerCompression:
                 KVCompressConfig.from_dict(config), prefill_len,
                 self.num_layers, self.num_kv_heads, self.num_q_heads,
             )
-        for rid, old_len, new_len in plan.ops:
-            self.compact(rid, old_len, new_len)
+        if plan.ops:
+            start = time.perf_counter()
+            for rid, old_len, new_len in plan.ops:
+                self.compact(rid, old_len, new_len)
+            self.seconds["compaction"] += time.perf_counter() - start
+            self.snapshot.write(self.seconds)
         self.evicted = plan.evicted
 
     def compact(self, rid: str, old_len: int, new_len: int) -> None:
@@ -199,9 +210,6 @@ class WorkerCompression:
         set_active(step if step.items else None)
 
     # ------------------------------------------------------------ stats
-
-    def request_blocks(self) -> dict[str, int]:
-        return {rid: len(self.runner.requests[rid].block_ids[0]) for rid in self.states if rid in self.runner.requests}
 
 
 # The step whose queries the attention backend must observe (one model runner
