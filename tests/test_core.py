@@ -90,7 +90,10 @@ def test_compaction_moves_positions_and_scores_per_head():
     rc.attention[0] = torch.arange(32, dtype=torch.float32).view(4, 8)
     keep = torch.tensor([[0, 3, 6, 7], [1, 2, 6, 7]])
     rc.compact(0, keep)
-    assert rc.positions[0].tolist() == keep.tolist()
+    rc.finish_compaction()
+    assert rc.positions(0).tolist() == keep.tolist()
+    rc.append(torch.tensor([8, 9]))
+    assert rc.positions(0).tolist() == [[0, 3, 6, 7, 8, 9], [1, 2, 6, 7, 8, 9]]
     assert rc.attention[0][2].tolist() == [17.0, 18.0, 22.0, 23.0]  # query head 2 -> kv head 1
 
 

@@ -29,7 +29,12 @@ class RequestCompression:
         self.num_kv_heads = num_kv_heads
         self.group = num_q_heads // num_kv_heads
         self.num_compressions = 0
-        self.positions = [torch.empty(num_kv_heads, 0, dtype=torch.int64) for _ in range(num_layers)]
+        # Positions per layer = what the last compaction kept ([Hkv, n], per
+        # head) + the tokens appended since, one contiguous logical range shared
+        # by every layer and head: appending costs O(1) per step.
+        self._kept = [torch.empty(num_kv_heads, 0, dtype=torch.int64) for _ in range(num_layers)]
+        self._tail_start = 0
+        self._tail_len = 0
         self.attention: list[torch.Tensor | None] = [None] * num_layers
 
     # ------------------------------------------------------------ observing
@@ -59,13 +64,24 @@ class RequestCompression:
 
     def append(self, q_positions: torch.Tensor) -> None:
         """New tokens entered the cache (same positions in every layer/head)."""
-        new = q_positions.to(torch.int64).expand(self.num_kv_heads, -1)
-        for layer in range(self.num_layers):
-            self.positions[layer] = torch.cat([self.positions[layer], new], dim=1)
+        first, n = int(q_positions[0]), len(q_positions)
+        if self._tail_len == 0:
+            self._tail_start = first
+        elif first != self._tail_start + self._tail_len:
+            raise RuntimeError(f"kv_compress: non-contiguous positions {first} after {self._tail_start + self._tail_len}")
+        self._tail_len += n
+
+    def num_tokens(self, layer: int) -> int:
+        return self._kept[layer].shape[-1] + self._tail_len
+
+    def positions(self, layer: int) -> torch.Tensor:
+        """[Hkv, T] logical positions of this layer's cached tokens (physical order)."""
+        tail = torch.arange(self._tail_start, self._tail_start + self._tail_len).expand(self.num_kv_heads, -1)
+        return torch.cat([self._kept[layer], tail], dim=1)
 
     def key_positions(self, layer: int) -> torch.Tensor:
         """[Hq, T] logical positions of the keys each query head attends."""
-        return self.positions[layer].repeat_interleave(self.group, dim=0)
+        return self.positions(layer).repeat_interleave(self.group, dim=0)
 
     def observe(self, layer: int, logits: torch.Tensor, q_positions: torch.Tensor) -> None:
         """Accumulate the attention of observed queries.
@@ -93,7 +109,7 @@ class RequestCompression:
 
     def select(self, layer: int, keep: int) -> torch.Tensor:
         """[Hkv, keep] ascending physical indices this layer keeps per head."""
-        positions = self.positions[layer]
+        positions = self.positions(layer)
         acc = self.attention[layer]
         if acc is not None and acc.shape[-1] < positions.shape[-1]:
             acc = torch.nn.functional.pad(acc, (0, positions.shape[-1] - acc.shape[-1]))
@@ -111,7 +127,7 @@ class RequestCompression:
 
     def compact(self, layer: int, keep_idx: torch.Tensor) -> None:
         """Move this layer's bookkeeping the way its K/V were moved."""
-        self.positions[layer] = torch.gather(self.positions[layer], 1, keep_idx)
+        self._kept[layer] = torch.gather(self.positions(layer), 1, keep_idx)
         acc = self.attention[layer]
         if acc is not None:
             if acc.shape[-1] < keep_idx.max().item() + 1:
@@ -120,6 +136,8 @@ class RequestCompression:
             self.attention[layer] = torch.gather(acc, 1, q_idx)
 
     def finish_compaction(self) -> None:
+        """All layers are compacted: the appended tail now lives in `_kept`."""
+        self._tail_len = 0
         self.num_compressions += 1
         if not self.policy.rolling:
             self.attention = [None] * self.num_layers  # never needed again

@@ -119,5 +119,5 @@ class ReferenceDecoder:
                 lengths.append(target)
             logits = self._forward([tokens[-1]], torch.tensor([logical]), cache, state)
             tokens.append(int(logits.argmax()))
-        kept = [state.positions[i].clone() for i in range(self.num_layers)] if state else None
+        kept = [state.positions(i) for i in range(self.num_layers)] if state else None
         return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths}

@@ -157,10 +157,10 @@ class WorkerCompression:
         block_ids = self.runner.requests[rid].block_ids[0]
         ids = torch.tensor(block_ids, dtype=torch.int64)
         for layer in range(self.num_layers):
-            if state.positions[layer].shape[-1] != old_len:
+            if state.num_tokens(layer) != old_len:
                 raise RuntimeError(
                     f"kv_compress: request {rid} layer {layer} tracks "
-                    f"{state.positions[layer].shape[-1]} tokens, scheduler says {old_len}"
+                    f"{state.num_tokens(layer)} tokens, scheduler says {old_len}"
                 )
             keep_idx = state.select(layer, new_len)
             self.layout.compact(self.kv_cache(layer), ids, keep_idx)
