@@ -22,20 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 TASK_DIR = REPO / "eval" / "tasks"
 
 
-def _load_longctx():
-    # By file path: `import vllm_kvcompress` imports vLLM (~10 s), which this
-    # plain-Python module does not need.
-    name = "_kvc_longctx_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "vllm_kvcompress" / "longctx.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-lc = _load_longctx()
+from vllm_kvcompress import longctx as lc  # noqa: E402
 
 try:
     lc.essay_sentences()

@@ -10,6 +10,10 @@ Without the import, `LLM(..., additional_config={"kv_compress": {...}})` and
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import sys
+
 from .config import KVCompressConfig, KVCompressConfigError
 from .policies import POLICIES
 
@@ -18,7 +22,10 @@ __all__ = ["KVCompressConfig", "KVCompressConfigError", "POLICIES", "enable", "s
 
 
 def enable() -> None:
-    """Install the vLLM seam in this process (idempotent)."""
+    """Install the whole vLLM seam in this process now (idempotent).
+
+    Not needed normally: vLLM's plugin loader does it in every process.
+    """
     from .vllm_seam import patches
 
     patches.apply_all()
@@ -38,9 +45,38 @@ def stats(llm) -> dict | None:
     return client.engine_core.kv_compress_stats()  # in-process engine
 
 
-try:
-    import vllm  # noqa: F401
-except ImportError:  # plain use (config, policies, reference) without vLLM
-    pass
+class _KeywordsWhenVLLMLoads(importlib.abc.MetaPathFinder):
+    """Patch EngineArgs the moment vLLM defines it.
+
+    `import vllm_kvcompress` must make `LLM(kv_compress=...)` work without
+    importing vLLM itself (that takes seconds and would make every plain use
+    of this package, from model preparation to eval data, pay for it).
+    """
+
+    TARGET = "vllm.engine.arg_utils"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+            from .vllm_seam import patches
+
+            patches.apply_keyword_support()
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+if _KeywordsWhenVLLMLoads.TARGET in sys.modules:
+    from .vllm_seam import patches as _patches
+
+    _patches.apply_keyword_support()
 else:
-    enable()
+    sys.meta_path.insert(0, _KeywordsWhenVLLMLoads())

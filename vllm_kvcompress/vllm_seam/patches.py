@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
 
 VLLM_VERSION = "0.32.0"  # the version this seam was written and tested against
 
@@ -28,42 +27,35 @@ class Patch:
     module: str
     owner: str  # class name inside module
     attr: str
-    make: Callable[[Any], Any]  # original -> replacement
+    make: str  # "seam_module.function": original -> replacement (imported when applied)
     why: str
     kind: str = "method"  # method | staticmethod | classmethod
 
 
-def _patches() -> list[Patch]:
-    from . import engine_args, scheduler, worker
+PATCHES = [
+    Patch("vllm.engine.arg_utils", "EngineArgs", "add_cli_args", "engine_args.wrap_add_cli_args",
+          "add the KVCompress flag group to every vLLM parser", "staticmethod"),
+    Patch("vllm.engine.arg_utils", "EngineArgs", "from_cli_args", "engine_args.wrap_from_cli_args",
+          "fold --kv-compress-* flags into additional_config (from_cli_args copies fields only)",
+          "classmethod"),
+    Patch("vllm.engine.arg_utils", "EngineArgs", "__init__", "engine_args.wrap_init",
+          "accept LLM(kv_compress=...) keywords (unknown fields raise TypeError otherwise)"),
+    Patch("vllm.engine.arg_utils", "AsyncEngineArgs", "__init__", "engine_args.wrap_init",
+          "same for the async engine's arguments (a dataclass with its own __init__)"),
+    Patch("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", "engine_args.wrap_create_engine_config",
+          "validate the config and refuse or make safe what compression cannot serve"),
+    Patch("vllm.v1.engine.input_processor", "InputProcessor", "_validate_params",
+          "engine_args.wrap_validate_params",
+          "reject a bad per-request extra_args['kv_compress'] before it reaches the engine core"),
+    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states", "worker.wrap_update_states",
+          "compact evicted KV and truncate block tables before new block ids are appended"),
+    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs", "worker.wrap_prepare_inputs",
+          "physical slot mapping and seq_lens; positions (RoPE) stay logical"),
+    Patch("vllm.v1.engine.core", "EngineCore", "kv_compress_stats", "scheduler.make_engine_stats",
+          "a utility method so LLM/serve clients can read the scheduler's compression stats"),
+]
 
-    return [
-        Patch("vllm.engine.arg_utils", "EngineArgs", "add_cli_args", engine_args.wrap_add_cli_args,
-              "add the KVCompress flag group to every vLLM parser", "staticmethod"),
-        Patch("vllm.engine.arg_utils", "EngineArgs", "from_cli_args", engine_args.wrap_from_cli_args,
-              "fold --kv-compress-* flags into additional_config (from_cli_args copies fields only)",
-              "classmethod"),
-        Patch("vllm.engine.arg_utils", "EngineArgs", "__init__", engine_args.wrap_init,
-              "accept LLM(kv_compress=...) keywords (unknown fields raise TypeError otherwise)"),
-        Patch("vllm.engine.arg_utils", "AsyncEngineArgs", "__init__", engine_args.wrap_init,
-              "same for the async engine's arguments (a dataclass with its own __init__)"),
-        Patch("vllm.engine.arg_utils", "EngineArgs", "create_engine_config",
-              engine_args.wrap_create_engine_config,
-              "validate the config and refuse or make safe what compression cannot serve"),
-        Patch("vllm.v1.engine.input_processor", "InputProcessor", "_validate_params",
-              engine_args.wrap_validate_params,
-              "reject a bad per-request extra_args['kv_compress'] before it reaches the engine core"),
-        Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states",
-              worker.wrap_update_states,
-              "compact evicted KV and truncate block tables before new block ids are appended"),
-        Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs",
-              worker.wrap_prepare_inputs,
-              "physical slot mapping and seq_lens; positions (RoPE) stay logical"),
-        Patch("vllm.v1.engine.core", "EngineCore", "kv_compress_stats", scheduler.make_engine_stats,
-              "a utility method so LLM/serve clients can read the scheduler's compression stats"),
-    ]
-
-
-_applied = False
+_applied: set[tuple[str, ...]] = set()
 
 
 def check_vllm_version() -> str:
@@ -78,33 +70,48 @@ def check_vllm_version() -> str:
     return version
 
 
-def apply_all() -> None:
-    """Install every patch once in this process."""
-    global _applied
-    if _applied:
-        return
-    check_vllm_version()
-    for p in _patches():
+def apply(patches: list[Patch]) -> None:
+    """Install these patches in this process; each at most once."""
+    for p in patches:
+        key = (p.module, p.owner, p.attr)
+        if key in _applied:
+            continue
+        seam_module, function = p.make.rsplit(".", 1)
+        make = getattr(importlib.import_module(f"{__package__}.{seam_module}"), function)
         owner = getattr(importlib.import_module(p.module), p.owner)
         raw = owner.__dict__.get(p.attr)
         if p.kind == "staticmethod":
-            new = staticmethod(p.make(raw.__func__))
+            new = staticmethod(make(raw.__func__))
         elif p.kind == "classmethod":
-            new = classmethod(p.make(raw.__func__))
+            new = classmethod(make(raw.__func__))
         else:
-            new = p.make(raw)
+            new = make(raw)
             if raw is not None:
                 functools.update_wrapper(new, raw)
         setattr(owner, p.attr, new)
+        _applied.add(key)
+
+
+def apply_all() -> None:
+    """Install the whole seam (the plugin entry point calls this in every process)."""
+    if ("attention",) in _applied:
+        return
+    check_vllm_version()
+    apply(PATCHES)
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         from . import attention
 
         attention.register_backend()
-    _applied = True
+    _applied.add(("attention",))
+
+
+def apply_keyword_support() -> None:
+    """Only what `LLM(kv_compress=...)` needs; safe while vLLM is still importing."""
+    apply([p for p in PATCHES if p.attr == "__init__"])
 
 
 def describe() -> str:
     """One line per patch, for logs and the README."""
-    return "\n".join(f"{p.module}.{p.owner}.{p.attr}: {p.why}" for p in _patches())
+    return "\n".join(f"{p.module}.{p.owner}.{p.attr}: {p.why}" for p in PATCHES)
