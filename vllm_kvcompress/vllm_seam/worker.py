@@ -235,6 +235,19 @@ def _compression(runner) -> WorkerCompression | None:
     return kvc
 
 
+def wrap_initialize_kv_cache(original):
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        original(self, kv_cache_config, *args, **kwargs)
+        profiling = kwargs.get("is_profiling", args[0] if args else False)
+        if not profiling:
+            # At startup, not at the first request: the layout self-test
+            # refuses an unknown cache before anything is served.
+            self.__dict__.pop("_kv_compress", None)
+            _compression(self)
+
+    return initialize_kv_cache
+
+
 def wrap_update_states(original):
     def _update_states(self, scheduler_output):
         kvc = _compression(self)
