@@ -12,7 +12,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, all_policy_params, request_overrides
+from ..config import (
+    CONFIG_KEY, FIELD_ALIASES, KVCompressConfig, KVCompressConfigError, all_policy_params, request_overrides,
+)
 from ..policies import POLICIES
 from . import metrics
 
@@ -79,7 +81,11 @@ def config_from_options(values: dict[str, Any]) -> dict[str, Any] | None:
     """
     policy = values.pop("kv_compress", None)
     recipe = values.pop("kv_compress_config", None)
-    overrides = {k[len("kv_compress_"):]: v for k, v in values.items() if v is not None}
+    overrides = {}
+    for key, value in values.items():
+        if value is not None:
+            name = key[len("kv_compress_"):]
+            overrides[FIELD_ALIASES.get(name, name)] = value
     if policy is None and recipe is None and not overrides:
         return None
     if isinstance(policy, KVCompressConfig):
