@@ -40,12 +40,13 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from machine import machine_info  # benchmarks/machine.py (scripts run from this folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -124,32 +125,6 @@ def kv_args(policy: str, kept: float) -> dict:
 
 
 # ------------------------------------------------------------------------- machine
-
-
-def machine_info() -> dict:
-    cpu, processors = None, 0
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("processor"):
-                processors += 1
-            elif line.startswith("model name") and cpu is None:
-                cpu = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    mem = None
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem = round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
-    return dict(cpu=cpu or platform.processor(), processors=processors, usable_cpus=usable, mem_gib=mem,
-                loadavg_at_start=load, platform=platform.platform(), python=platform.python_version())
 
 
 def _torch_threads():
@@ -355,7 +330,7 @@ def markdown(run: dict, table: list[dict], cfgs: list) -> str:
         f"generate {run['generate_s']:.0f} s for {run['requests']} requests in one `llm.generate` call: "
         f"{run['prompt_tokens']} prompt + {run['output_tokens']} output tokens; process CPU time during generate "
         f"{run['generate_cpu_s']:.0f} s, torch threads {run['torch_threads']})",
-        f"- machine: {m['cpu']}, {m['processors']} processors, {m['usable_cpus']} usable, {m['mem_gib']} GiB RAM, "
+        f"- machine: {m['cpu_model']}, {m['cpuinfo_processors']} processors, {m['usable_cpus']} usable, {m['mem_gib']} GiB RAM, "
         f"load average at start {m['loadavg_at_start']}; {m['platform']}, Python {m['python']}",
         f"- model: {run['model_name']} (`{run['model']}`), dtype {DTYPE}, block size {BLOCK_SIZE}, enforce_eager, "
         f"vLLM {run['vllm_version']}, max_model_len {run['max_model_len']}, "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -10,7 +9,7 @@ from vllm_kvcompress.cache_layout import CPUAttnLayout
 from vllm_kvcompress.compression import RequestCompression
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.planner import RequestState
-from vllm_kvcompress.policies import Observation, select_keep
+from vllm_kvcompress.policies import select_keep
 from vllm_kvcompress.policies.base import hash_uniform, reduce_gqa
 from vllm_kvcompress.policies.snapkv import pool_scores
 
