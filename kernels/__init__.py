@@ -22,17 +22,7 @@ from . import reference
 
 __all__ = ["get_ops", "triton_available", "reference", "OP_NAMES"]
 
-OP_NAMES = (
-    "split_kv_cache",
-    "gather_dense",
-    "window_scores",
-    "window_scores_batched",
-    "reduce_gqa",
-    "pool_scores",
-    "accumulate_decode_scores",
-    "compact_kv",
-    "compact_kv_batched",
-)
+OP_NAMES = reference.OP_NAMES
 
 
 def triton_available() -> bool:

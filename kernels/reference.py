@@ -29,7 +29,8 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-__all__ = [
+# The operations every backend provides (torch here, Triton in triton_kernels).
+OP_NAMES = (
     "split_kv_cache",
     "gather_dense",
     "window_scores",
@@ -39,8 +40,9 @@ __all__ = [
     "accumulate_decode_scores",
     "compact_kv",
     "compact_kv_batched",
-    "check_keep_idx",
-]
+)
+
+__all__ = [*OP_NAMES, "OP_NAMES", "check_keep_idx"]
 
 # Upper bound on the number of float32 elements a reference materialises at once
 # (logits / gathered keys); larger problems are processed in chunks.

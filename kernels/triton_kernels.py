@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import OP_NAMES  # noqa: E402 (the shared operation list)
 from .reference import (  # torch versions reused on the Triton path (cheap, not fused)
     LogitsTransform,
     _parse_transform,
@@ -49,17 +50,7 @@ from .reference import (  # torch versions reused on the Triton path (cheap, not
     split_kv_cache,
 )
 
-__all__ = [
-    "split_kv_cache",
-    "gather_dense",
-    "window_scores",
-    "window_scores_batched",
-    "reduce_gqa",
-    "pool_scores",
-    "accumulate_decode_scores",
-    "compact_kv",
-    "compact_kv_batched",
-]
+__all__ = list(OP_NAMES)
 
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (avoids inf - inf = nan)

@@ -97,8 +97,8 @@ class RequestCompression:
         acc = self.attention[layer]
         if acc is None or self.policy.observe is Observe.LAST:
             acc = probs.new_zeros(probs.shape[0], num_tokens)
-        elif acc.shape[-1] < num_tokens:
-            acc = torch.nn.functional.pad(acc, (0, num_tokens - acc.shape[-1]))
+        else:
+            acc = _pad_tokens(acc, num_tokens)
         if self.policy.observe is Observe.LAST:
             acc += probs[:, -1]
         else:
@@ -111,8 +111,8 @@ class RequestCompression:
         """[Hkv, keep] ascending physical indices this layer keeps per head."""
         positions = self.positions(layer)
         acc = self.attention[layer]
-        if acc is not None and acc.shape[-1] < positions.shape[-1]:
-            acc = torch.nn.functional.pad(acc, (0, positions.shape[-1] - acc.shape[-1]))
+        if acc is not None:
+            acc = _pad_tokens(acc, positions.shape[-1])
         obs = Observation(
             attention=None if acc is None else acc.clone(),
             positions=positions,
@@ -130,8 +130,7 @@ class RequestCompression:
         self._kept[layer] = torch.gather(self.positions(layer), 1, keep_idx)
         acc = self.attention[layer]
         if acc is not None:
-            if acc.shape[-1] < keep_idx.max().item() + 1:
-                acc = torch.nn.functional.pad(acc, (0, keep_idx.max().item() + 1 - acc.shape[-1]))
+            acc = _pad_tokens(acc, int(keep_idx.max()) + 1)
             q_idx = keep_idx.repeat_interleave(self.group, dim=0)
             self.attention[layer] = torch.gather(acc, 1, q_idx)
 
@@ -141,3 +140,10 @@ class RequestCompression:
         self.num_compressions += 1
         if not self.policy.rolling:
             self.attention = [None] * self.num_layers  # never needed again
+
+
+def _pad_tokens(acc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Scores for tokens that entered the cache since they were last observed: zero."""
+    if acc.shape[-1] >= num_tokens:
+        return acc
+    return torch.nn.functional.pad(acc, (0, num_tokens - acc.shape[-1]))
