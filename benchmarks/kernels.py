@@ -85,7 +85,7 @@ def build_inputs(a, device: str):
     nb = -(-T // bs)
     nblocks = R * nb
     bt = torch.randperm(nblocks, generator=g).reshape(R, nb).to(torch.int32)
-    kv = torch.randn(2, nblocks, bs, H, D, generator=g).to(dt)
+    kv = torch.randn(nblocks, H, bs, 2 * D, generator=g).to(dt)  # vLLM 0.32's cache tensor
     kv, bt = kv.to(device), bt.to(device)
     key_cache, value_cache = K.reference.split_kv_cache(kv)
     W = min(a.window, T)

@@ -114,6 +114,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="kv_compress_compression_ratio, the fraction removed (0.875 = 8x)")
     p.add_argument("--budget", type=int, default=None,
                    help="kv_compress_budget (tokens kept per layer and KV head) instead of --ratio")
+    p.add_argument("--interval", type=int, default=None,
+                   help="kv_compress_interval: rolling policies evict again after this many new "
+                        "tokens (default: one KV block)")
+    p.add_argument("--policy-arg", action="append", default=[], metavar="NAME=VALUE",
+                   help="a policy parameter of the kvc-* configs, e.g. prompt_chunk=256 (repeatable)")
     p.add_argument("--quick", action="store_true", help="tiny request counts and outputs (smoke test)")
     p.add_argument("--engine-mode", choices=("inproc", "mp"), default="inproc",
                    help="inproc: VLLM_ENABLE_V1_MULTIPROCESSING=0, scheduler read directly (default); "
@@ -154,9 +159,24 @@ def num_requests(args) -> dict[str, int]:
 
 
 def compression_label(args) -> str:
-    if args.budget is not None:
-        return f"{args.policy}, budget {args.budget}"
-    return f"{args.policy}, ratio {args.ratio} ({1 / (1 - args.ratio):.3g}x)"
+    label = (f"{args.policy}, budget {args.budget}" if args.budget is not None
+             else f"{args.policy}, ratio {args.ratio} ({1 / (1 - args.ratio):.3g}x)")
+    label += f", interval {args.interval}" if args.interval is not None else ""
+    return label + "".join(f", {k} {v}" for k, v in policy_args(args).items())
+
+
+def policy_args(args) -> dict:
+    """--policy-arg NAME=VALUE pairs, values typed by the policy's dataclass."""
+    from vllm_kvcompress.config import policy_params
+
+    fields = policy_params(args.policy)
+    out = {}
+    for arg in args.policy_arg:
+        name, sep, value = arg.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(f"--policy-arg {arg!r}: expected NAME=VALUE with NAME in {sorted(fields)}")
+        out[name] = fields[name].type(value) if fields[name].type is not bool else value in ("1", "true", "True")
+    return out
 
 
 # ------------------------------------------------------------------------- prompts
@@ -339,6 +359,10 @@ def run_one(args) -> None:
             kwargs["kv_compress_budget"] = args.budget
         else:
             kwargs["kv_compress_compression_ratio"] = args.ratio
+        if args.interval is not None:
+            kwargs["kv_compress_interval"] = args.interval
+        for name, value in policy_args(args).items():
+            kwargs[f"kv_compress_{name}"] = value
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - t0
@@ -422,6 +446,9 @@ def run_config(args, name: str, workload: str, wl_file: Path, tmp: Path) -> tupl
            "--policy", args.policy, "--engine-mode", args.engine_mode, "--seed", str(args.seed),
            "--max-num-seqs", str(args.max_num_seqs)]
     cmd += ["--budget", str(args.budget)] if args.budget is not None else ["--ratio", str(args.ratio)]
+    cmd += ["--interval", str(args.interval)] if args.interval is not None else []
+    for arg in args.policy_arg:
+        cmd += ["--policy-arg", arg]
     t0 = time.perf_counter()
     print(f"[{workload}/{name}] running ...", file=sys.stderr, flush=True)
     try:

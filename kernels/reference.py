@@ -5,11 +5,13 @@ These functions are both the *test oracle* for the Triton kernels in
 (no Python loop over tokens; at most a loop over requests or head chunks to bound
 memory). Nothing here imports Triton.
 
-Paged KV layout (vLLM FlashAttention layout, one layer):
+Paged KV layout (what vLLM 0.32's FlashAttention reads, one layer):
 
 * ``key_cache``, ``value_cache``: ``[num_blocks, block_size, num_kv_heads, head_dim]``
-  (vLLM keeps ``kv_cache`` as ``[2, num_blocks, block_size, H, D]``; pass the two halves,
-  see :func:`split_kv_cache`). Keys are stored post-RoPE.
+  views, any strides but the last (vLLM 0.32 keeps one ``kv_cache`` tensor
+  ``[num_blocks, H, block_size, 2 * D]``, K in the first half of the last dim; its
+  physical dim order depends on the KV layout, NHD or HND. :func:`split_kv_cache`
+  takes the same views FlashAttention takes). Keys are stored post-RoPE.
 * Token at physical position ``p`` of request ``r`` lives in block
   ``block_tables[r, p // block_size]`` at offset ``p % block_size``.
 * Queries: ``[num_tokens, num_q_heads, head_dim]`` with ``num_q_heads = G * num_kv_heads``;
@@ -52,10 +54,15 @@ LogitsTransform = Optional[Tuple[str, torch.Tensor, Union[float, torch.Tensor]]]
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``[2, num_blocks, block_size, H, D]`` -> ``(key_cache, value_cache)`` (views)."""
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"expected kv_cache [2, N, B, H, D], got {tuple(kv_cache.shape)}")
-    return kv_cache[0], kv_cache[1]
+    """vLLM 0.32 ``[num_blocks, H, block_size, 2 * D]`` -> ``(key_cache, value_cache)``.
+
+    Views ``[num_blocks, block_size, H, D]`` sharing the cache's memory, split as
+    ``FlashAttentionImpl.forward`` splits them.
+    """
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(f"expected kv_cache [num_blocks, H, block_size, 2 * D], got {tuple(kv_cache.shape)}")
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(kv_cache.shape[-1] // 2, dim=-1)
+    return key_cache, value_cache
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -295,19 +302,26 @@ def accumulate_decode_scores(
 
 def check_keep_idx(keep_idx: torch.Tensor, keep_counts: Optional[torch.Tensor] = None,
                    seq_lens: Optional[torch.Tensor] = None) -> None:
-    """Validate ``keep_idx [..., Hkv, K]``: strictly ascending, >= 0 (hence idx[j] >= j),
-    and ``< seq_len`` when given. Raises ``ValueError``. (Syncs; for debugging/tests.)"""
+    """Validate ``keep_idx [..., Hkv, K]`` per head: >= 0, ``< seq_len`` when given,
+    and either strictly ascending (hence ``idx[j] >= j``) or hole-filling (distinct,
+    every entry ``j`` or ``>= count``: the plugin's order, see
+    ``vllm_kvcompress.policies.base.hole_filling_order``). Raises ``ValueError``.
+    (Syncs; for debugging/tests.)"""
     ki = keep_idx.long()
     k = ki.shape[-1]
-    valid = torch.ones_like(ki, dtype=torch.bool)
+    pos = torch.arange(k, device=ki.device)
+    counts = torch.full(ki.shape[:-1], k, device=ki.device)
     if keep_counts is not None:
-        valid = torch.arange(k, device=ki.device) < keep_counts.to(ki.device).long()[..., None]
+        counts = keep_counts.to(ki.device).long()
+    valid = pos < counts[..., None]
     if bool(((ki < 0) & valid).any()):
         raise ValueError("keep_idx has negative entries")
-    if k > 1:
-        inc = ki[..., 1:] > ki[..., :-1]
-        if bool((~inc & valid[..., 1:]).any()):
-            raise ValueError("keep_idx must be strictly ascending per head")
+    ascending = ((ki[..., 1:] > ki[..., :-1]) | ~valid[..., 1:]).all(dim=-1)
+    in_place_or_from_beyond = ((ki == pos) | (ki >= counts[..., None]) | ~valid).all(dim=-1)
+    ranked = ki.masked_fill(~valid, -1).sort(dim=-1).values
+    distinct = ((ranked[..., 1:] > ranked[..., :-1]) | (ranked[..., 1:] < 0)).all(dim=-1)
+    if not bool((ascending | (in_place_or_from_beyond & distinct)).all()):
+        raise ValueError("keep_idx must be strictly ascending or hole-filling per head")
     if seq_lens is not None:
         sl = seq_lens.to(ki.device).long().reshape(*ki.shape[:-2], 1, 1)
         if bool(((ki >= sl) & valid).any()):
@@ -333,7 +347,9 @@ def compact_kv_batched(
     same permutation per query head (following its kv head), and with ``zero_score_tail``
     its columns ``>= count`` are zeroed (tokens later appended there start from 0).
 
-    Here the copy gathers everything first and then scatters, so overlap of source and
+    ``keep_idx`` per head is strictly ascending or hole-filling (see
+    :func:`check_keep_idx`). Only entries with ``keep_idx[j] != j`` are copied. Here the
+    copy gathers everything first and then scatters, so overlap of source and
     destination is harmless. Requests must not share physical blocks (no prefix caching).
     """
     nreq, hkv, kmax = keep_idx.shape
@@ -348,7 +364,8 @@ def compact_kv_batched(
     else:
         counts = keep_counts.to(device=dev, dtype=torch.long)
         valid = torch.arange(kmax, device=dev) < counts[..., None]
-    r_idx, h_idx, j_idx = valid.nonzero(as_tuple=True)
+    moved = valid & (ki != torch.arange(kmax, device=dev))
+    r_idx, h_idx, j_idx = moved.nonzero(as_tuple=True)
     src = ki[r_idx, h_idx, j_idx]
     bt = block_tables.to(device=dev, dtype=torch.long)
     src_blk, src_off = bt[r_idx, src // bs], src % bs

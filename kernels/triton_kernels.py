@@ -587,6 +587,7 @@ def _compact_kernel(
         j = j0 + tl.arange(0, BLOCK_J)
         j_ok = j < count
         src = tl.load(idx_ptr + r64 * stride_ir + kvh * stride_ih + j, mask=j_ok, other=0)
+        j_ok = j_ok & (src != j)  # a token already in its slot is not copied
         kt = _load_kv_tile(k_ptr, bt_row, src, j_ok, kvh, offs_d, d_ok, stride_kb, stride_ks, stride_kh, PAGE)
         vt = _load_kv_tile(v_ptr, bt_row, src, j_ok, kvh, offs_d, d_ok, stride_vb, stride_vs, stride_vh, PAGE)
         if HAS_SCORES:
@@ -622,8 +623,10 @@ def compact_kv_batched(
 ) -> None:
     """Triton version of :func:`reference.compact_kv_batched` (one launch per layer).
 
-    Overlap safety without a temporary buffer. Requirements: ``keep_idx`` strictly
-    ascending and >= 0 per (request, head), so ``idx[j] >= j``; requests own disjoint
+    Only entries with ``idx[j] != j`` are copied. Hole-filling ``keep_idx`` (the
+    plugin's order: every entry ``j`` or ``>= count``) is safe in any order: no source
+    is a destination. Strictly ascending ``keep_idx`` is safe as follows, without a
+    temporary buffer. Requirements: ``idx[j] >= j`` per (request, head); requests own disjoint
     blocks; a kv head only touches its own elements. One program handles one (request,
     kv head) and walks destination tiles ``[t*B, (t+1)*B)`` in increasing ``t``. Per tile:
     load all sources (K, V, score columns), ``debug_barrier`` (all threads of the

@@ -101,3 +101,26 @@ def test_8x_compressed_request_holds_an_eighth_of_the_blocks(engine):
     assert plain["tokens_evicted"] == 0 and squeezed["tokens_kept"] == 64
     assert plain["blocks_held"] == cdiv(512 + new_tokens - 1, BLOCK_SIZE)
     assert squeezed["blocks_held"] <= plain["blocks_held"] / 8 + 1
+
+
+def test_streamed_prompt_never_holds_more_than_budget_plus_chunk(engine):
+    """StreamingLLM with prompt_chunk: admission and prefill need only
+    budget + chunk tokens of cache, not the whole prompt."""
+    core = engine.llm.llm_engine
+    start = engine.stats()["free_blocks"]
+    (prompt,) = random_prompts((900,), seed=17)
+    budget, chunk = 64, 64
+    config = {"policy": "streamingllm", "budget": budget, "prompt_chunk": chunk}
+    core.add_request("streamed", {"prompt_token_ids": prompt}, params(40, config))
+    held, steps = [], 0
+    while core.has_unfinished_requests():
+        core.step()
+        steps += 1
+        held.append(start - engine.stats()["free_blocks"])
+    assert max(held) == cdiv(budget + chunk, BLOCK_SIZE)  # 4 blocks; unstreamed: cdiv(900, 32) = 29
+    assert steps >= (900 - budget) // chunk + 40  # the prompt went in budget + chunk, then chunk-sized steps
+    stats = request_stats(engine, "streamed")
+    # 900 - 64 prompt tokens evicted 64 at a time, the last partial chunk at prefill end.
+    assert stats["compressions"] >= cdiv(900 - budget - chunk, chunk) + 1
+    assert stats["tokens_evicted"] >= 900 - budget
+    assert engine.stats()["free_blocks"] == start

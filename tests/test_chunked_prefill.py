@@ -29,7 +29,11 @@ def reference(tiny_model):
     return ReferenceDecoder(tiny_model)
 
 
-@pytest.mark.parametrize("override", [None, {"policy": "h2o", "budget": 64}, {"policy": "keyformer", "budget": 80}])
+@pytest.mark.parametrize("override", [
+    None, {"policy": "h2o", "budget": 64}, {"policy": "keyformer", "budget": 80},
+    # A streamed prompt whose evictions (every 56 tokens) fall inside vLLM's 48-token chunks.
+    {"policy": "streamingllm", "budget": 40, "prompt_chunk": 56},
+])
 def test_chunked_prefill_matches_reference(engine, reference, override):
     prompts = random_prompts((200, 170, 61), seed=21)
     got = engine.generate(prompts, 36, [override] * len(prompts))

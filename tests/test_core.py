@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_kvcompress.cache_layout import CPUAttnLayout
+from vllm_kvcompress.cache_layout import CPUAttnLayout, PagedLayout
 from vllm_kvcompress.compression import RequestCompression
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.planner import RequestState
@@ -19,9 +20,21 @@ def test_select_keep_protects_sinks_and_recent_and_takes_top_scores():
     scores = torch.zeros(2, 20)
     scores[0, 7], scores[0, 9], scores[1, 11], scores[1, 3] = 5, 4, 3, 2
     keep = select_keep(scores, positions, keep=8, sinks=2, recent=4)
-    assert keep[0].tolist() == [0, 1, 7, 9, 16, 17, 18, 19]
-    assert keep[1].tolist() == [0, 1, 3, 11, 16, 17, 18, 19]
+    assert sorted(keep[0].tolist()) == [0, 1, 7, 9, 16, 17, 18, 19]
+    assert sorted(keep[1].tolist()) == [0, 1, 3, 11, 16, 17, 18, 19]
     assert select_keep(scores, positions, keep=25, sinks=0, recent=0).shape == (2, 20)
+
+
+def test_kept_tokens_fill_the_holes_and_recent_means_newest_position():
+    # Physical order no longer chronological (an earlier compaction moved 19 to slot 2).
+    positions = torch.tensor([[0, 1, 19, 3, 4, 5, 6, 7, 8, 9]])
+    scores = torch.tensor([[0, 0, 0, 0, 0, 9, 0, 8, 0, 0.0]])
+    keep = select_keep(scores, positions, keep=5, sinks=1, recent=2)
+    # Keeps positions 0, 19, 9 (recent), 5, 7 (top scores); slots 0 and 2 stay,
+    # the holes 1, 3, 4 take slots 5, 7, 9 in ascending order.
+    assert keep.tolist() == [[0, 5, 2, 7, 9]]
+    moved = keep != torch.arange(5)
+    assert (keep[moved] >= 5).all()  # sources are never destinations
 
 
 def test_reduce_gqa_groups_consecutive_query_heads():
@@ -72,14 +85,14 @@ def test_snapkv_selection_matches_the_spec():
     logits = q[:, mask] @ k.repeat_interleave(3, 0).transpose(1, 2) / d ** 0.5
     logits = logits.masked_fill(torch.arange(length).view(1, -1) > positions[mask].view(-1, 1), float("-inf"))
     rc.observe(0, logits, positions[mask])
-    assert torch.equal(rc.select(0, 40), snapkv_by_hand(q, k, 8, 40, 5))
+    assert torch.equal(rc.select(0, 40).sort(-1).values, snapkv_by_hand(q, k, 8, 40, 5))
 
 
 def test_streamingllm_keeps_sinks_and_recent():
     cfg = KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 10, "sink_tokens": 3})
     rc = RequestCompression(cfg, 30, 2, 2, 4)
     rc.append(torch.arange(30))
-    assert rc.select(1, 10)[0].tolist() == [0, 1, 2, 23, 24, 25, 26, 27, 28, 29]
+    assert sorted(rc.select(1, 10)[0].tolist()) == [0, 1, 2, 23, 24, 25, 26, 27, 28, 29]
 
 
 def test_compaction_moves_positions_and_scores_per_head():
@@ -108,6 +121,18 @@ def test_planner_schedule():
     assert snap.next_compression(50, 32) is None and snap.next_compression(500, 32) is None  # never rolls
 
 
+def test_planner_streams_a_prompt_in_chunks():
+    cfg = KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64, "prompt_chunk": 32})
+    state = RequestState.create(cfg, prompt_len=200)
+    assert state.prefill_cap(0) == 96  # budget + chunk before the first eviction
+    assert state.next_compression(95, 32) is None and state.next_compression(96, 32) == 64
+    state.commit(96, 64)
+    assert state.prefill_cap(96) == 32 and state.next_compression(127, 32) is None
+    assert state.prefill_cap(200) is None  # prompt done: decode rolls as usual
+    plain = RequestState.create(KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64}), 200)
+    assert plain.prefill_cap(0) is None and plain.next_compression(150, 32) is None
+
+
 def test_cpu_layout_reader_and_compaction_in_place():
     n, h, b, d = 5, 2, 4, 3
     cache = torch.zeros(n, h, b, 2 * d)
@@ -128,6 +153,34 @@ def test_cpu_layout_reader_and_compaction_in_place():
         assert torch.equal(new_k[head], keys[head, keep[head]])
         assert torch.equal(new_v[head], values[head, keep[head]])
     assert cache[1].abs().sum() == 0  # blocks the request does not own are untouched
+
+
+@pytest.mark.parametrize("storage", ["HND", "NHD"])
+def test_paged_layout_reader_and_compaction_in_place(storage):
+    """vLLM 0.32's FLASH_ATTN cache through the kernel ops (torch ones here)."""
+    from vllm_kvcompress.kernels import get_ops
+
+    n, h, b, d = 5, 2, 4, 3
+    if storage == "HND":
+        cache = torch.zeros(n, h, b, 2 * d)
+    else:  # the same logical shape over [N, B, H, 2D] memory
+        cache = torch.zeros(n, b, h, 2 * d).transpose(1, 2)
+    layout = PagedLayout(get_ops("cpu"))
+    keys, values = torch.randn(h, 10, d), torch.randn(h, 10, d)
+    block_ids = torch.tensor([3, 0, 4])
+    for t in range(10):
+        cache[block_ids[t // b], :, t % b, :d] = keys[:, t]
+        cache[block_ids[t // b], :, t % b, d:] = values[:, t]
+    got_k, got_v = layout.gather(cache, block_ids, 10)
+    assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+    assert torch.equal(layout.gather_keys(cache, block_ids, 7), keys[:, :7])
+    keep = select_keep(torch.rand(h, 10), torch.arange(10).expand(h, -1), 4, 1, 1)  # hole-filling order
+    layout.compact(cache, block_ids, keep)
+    new_k, new_v = layout.gather(cache, block_ids, 4)
+    for head in range(h):
+        assert torch.equal(new_k[head], keys[head, keep[head]])
+        assert torch.equal(new_v[head], values[head, keep[head]])
+    assert cache[1].abs().sum() == 0
 
 
 def test_reference_decoder_without_compression_equals_transformers(tiny_model):

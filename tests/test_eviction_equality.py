@@ -56,6 +56,31 @@ def test_policy_matches_reference(engine, reference, policy):
     assert after["tokens_evicted"] > before["tokens_evicted"]
 
 
+@pytest.mark.parametrize("policy", ["streamingllm", "window"])
+def test_streamed_prompt_matches_reference(engine, reference, policy):
+    """Evicting while the prompt is prefilled: the engine ends each chunk where
+    the planner says, whatever else is in the batch, so it matches the
+    reference, which prefills in exactly those chunks."""
+    prompts = random_prompts((260, 97, 200, 150), seed=31)
+    configs = [
+        {"policy": policy, "budget": 48, "prompt_chunk": 40},
+        {"policy": policy, "budget": 40, "prompt_chunk": 16, "interval": 8},
+        None,
+        {"policy": policy, "compression_ratio": 0.75, "prompt_chunk": 64},
+    ]
+    got = engine.generate(prompts, NEW_TOKENS, configs)
+    streamed = 0
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict(config) if config else None
+        want = reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)
+        assert tokens == want["tokens"], f"{config} prompt {len(prompt)}"
+        streamed += cfg is not None and len(want["compressed_lengths"]) > NEW_TOKENS // 32 + 1
+    assert streamed == 3, "every streamed prompt should have been evicted mid-prefill"
+    # Streaming is not a no-op: the same budget without it gives other tokens.
+    unstreamed = dict(configs[0], prompt_chunk=0)
+    assert engine.generate(prompts[:1], NEW_TOKENS, [unstreamed])[0] != got[0]
+
+
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_budget_above_need_equals_vanilla(engine, policy):
     """A budget no request reaches leaves vLLM's output unchanged."""

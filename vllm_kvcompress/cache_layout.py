@@ -1,11 +1,20 @@
 """Reading and compacting one request's tokens in a paged KV cache layout.
 
+Two layouts, one interface (`gather`, `gather_keys`, `compact`); the worker
+picks one at startup by attention backend and self-tests it against vLLM's own
+cache writer before serving.
+
 vLLM's CPU attention (CPU_ATTN, "vec" instruction-set path) stores one layer as
 `[num_blocks, num_kv_heads, block_size, 2 * head_size]`; inside each
 (block, head) slab the first half is K *transposed* (`[head_size, block_size]`)
 and the second half is V (`[block_size, head_size]`). The worker checks this
-at startup against vLLM's own writer (`check_layout`) and refuses to run on
-any cache that does not match: a wrong reader would silently corrupt output.
+at startup against vLLM's own writer and refuses to run on any cache that
+does not match: a wrong reader would silently corrupt output.
+
+vLLM 0.32's GPU FlashAttention (FLASH_ATTN) stores one layer as
+`[num_blocks, num_kv_heads, block_size, 2 * head_size]` (logical shape; the
+physical dim order is NHD or HND), K in the first half of the last dim. It is
+read through `vllm_kvcompress.kernels`: Triton on CUDA, torch elsewhere.
 """
 
 from __future__ import annotations
@@ -44,18 +53,48 @@ class CPUAttnLayout:
 
     @classmethod
     def compact(cls, kv_cache: torch.Tensor, block_ids: torch.Tensor, keep_idx: torch.Tensor) -> None:
-        """Move each head's kept tokens (keep_idx [H, keep]) to positions [0, keep).
+        """Make slot j of each head hold token keep_idx[h, j], j < keep.
 
-        The gather copies before the scatter writes, so overlapping source and
-        destination slots are safe.
+        Only tokens that move are copied (see `hole_filling_order`); the gather
+        copies before the scatter writes, so any overlap would be safe too.
         """
         k_view, v_view = cls.views(kv_cache)
         block_size = k_view.shape[-1]
-        heads = torch.arange(keep_idx.shape[0], device=kv_cache.device).unsqueeze(1)
-        src_blk, src_off = block_ids[keep_idx // block_size], keep_idx % block_size
-        keys = k_view[src_blk, heads, :, src_off]  # [H, keep, D]
-        values = v_view[src_blk, heads, src_off, :]  # [H, keep, D]
         dst = torch.arange(keep_idx.shape[1], device=kv_cache.device).expand_as(keep_idx)
-        dst_blk, dst_off = block_ids[dst // block_size], dst % block_size
+        heads, slots = (keep_idx != dst).nonzero(as_tuple=True)
+        if heads.numel() == 0:
+            return
+        src = keep_idx[heads, slots]
+        src_blk, src_off = block_ids[src // block_size], src % block_size
+        dst_blk, dst_off = block_ids[slots // block_size], slots % block_size
+        keys = k_view[src_blk, heads, :, src_off]  # [n, D] copies
+        values = v_view[src_blk, heads, src_off, :]
         k_view[dst_blk, heads, :, dst_off] = keys
         v_view[dst_blk, heads, dst_off, :] = values
+
+
+class PagedLayout:
+    """vLLM 0.32's FLASH_ATTN cache, read and compacted by the kernel ops."""
+
+    name = "FLASH_ATTN"
+
+    def __init__(self, ops) -> None:
+        self.ops = ops  # vllm_kvcompress.kernels.get_ops(device): Triton or torch
+
+    def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) views [N, B, H, D], split the way FlashAttention splits them."""
+        return self.ops.split_kv_cache(kv_cache)
+
+    def gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int):
+        """(K, V) of physical positions [0, num_tokens), each [H, T, D]."""
+        k_view, v_view = self.views(kv_cache)
+        return (self.ops.gather_dense(k_view, block_ids, num_tokens),
+                self.ops.gather_dense(v_view, block_ids, num_tokens))
+
+    def gather_keys(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int):
+        return self.ops.gather_dense(self.views(kv_cache)[0], block_ids, num_tokens)
+
+    def compact(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, keep_idx: torch.Tensor) -> None:
+        """Make slot j of each head hold token keep_idx[h, j] (one kernel launch)."""
+        k_view, v_view = self.views(kv_cache)
+        self.ops.compact_kv(k_view, v_view, block_ids.to(kv_cache.device), keep_idx.to(kv_cache.device))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .config import KVCompressConfig
-from .policies import Observation, Observe, select_keep
+from .policies import Observation, Observe, Policy, select_keep
 
 
 class RequestCompression:
@@ -47,6 +47,12 @@ class RequestCompression:
             return False
         # A prefill-time policy on a prompt within budget never compresses.
         return self.policy.rolling or self.prefill_len > self.budget
+
+    @property
+    def plain_softmax_sums(self) -> bool:
+        """Whether observing is summing plain softmax rows (what fused kernels compute)."""
+        return (self.policy.observe is not Observe.LAST
+                and type(self.policy).transform_logits is Policy.transform_logits)
 
     def observed(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool mask over this step's queries (logical positions) to observe."""
@@ -87,23 +93,26 @@ class RequestCompression:
         """Accumulate the attention of observed queries.
 
         logits: [Hq, n, T] scaled q.k over this layer's cached keys, already
-        masked with -inf where a query may not look (causality).
+        masked with -inf where a query may not look (causality). They may live
+        on the accelerator; only the [Hq, T] sum comes back.
         """
+        device = logits.device
         logits = self.policy.transform_logits(
-            logits, layer, q_positions, self.key_positions(layer), self.num_compressions
+            logits, layer, q_positions.to(device), self.key_positions(layer).to(device), self.num_compressions
         )
         probs = torch.softmax(logits.to(torch.float32), dim=-1)
-        num_tokens = probs.shape[-1]
+        self.accumulate(layer, probs[:, -1] if self.policy.observe is Observe.LAST else probs.sum(dim=1))
+
+    def accumulate(self, layer: int, attention: torch.Tensor) -> None:
+        """Add this step's [Hq, T] attention (summed over its observed queries)."""
+        attention = attention.to("cpu", torch.float32)
         acc = self.attention[layer]
         if acc is None or self.policy.observe is Observe.LAST:
-            acc = probs.new_zeros(probs.shape[0], num_tokens)
+            self.attention[layer] = attention.clone()
         else:
-            acc = _pad_tokens(acc, num_tokens)
-        if self.policy.observe is Observe.LAST:
-            acc += probs[:, -1]
-        else:
-            acc += probs.sum(dim=1)
-        self.attention[layer] = acc
+            acc = _pad_tokens(acc, attention.shape[-1])
+            acc += attention
+            self.attention[layer] = acc
 
     # ------------------------------------------------------------ compacting
 

@@ -29,14 +29,16 @@ class RequestState:
     config: KVCompressConfig
     policy: Policy
     prompt_len: int
-    budget: int | None = None  # resolved when prefill ends
+    budget: int | None = None  # None: compression off
     num_evicted: int = 0
     num_compressions: int = 0
     prefill_checked: bool = False
 
     @classmethod
     def create(cls, config: KVCompressConfig, prompt_len: int) -> RequestState:
-        return cls(config=config, policy=config.make_policy(), prompt_len=prompt_len)
+        policy = config.make_policy()
+        budget = config.resolve_budget(prompt_len, policy.min_budget()) if config.enabled else None
+        return cls(config=config, policy=policy, prompt_len=prompt_len, budget=budget)
 
     def physical(self, logical_len: int) -> int:
         return logical_len - self.num_evicted
@@ -47,17 +49,31 @@ class RequestState:
         `logical_len` is the number of tokens whose KV is in the cache. Called
         once per scheduling step; returns None when nothing is to be evicted.
         """
-        if not self.config.enabled or logical_len < self.prompt_len:
-            return None  # off, or still prefilling
+        if self.budget is None:
+            return None
         physical = self.physical(logical_len)
+        if logical_len < self.prompt_len:
+            # Still prefilling: only a streamed prompt evicts, at chunk ends.
+            chunk = self.policy.prompt_chunk_size()
+            return self.budget if chunk and physical >= self.budget + chunk else None
         if not self.prefill_checked:
             # Prefill just ended: every policy compresses an over-budget prompt.
             self.prefill_checked = True
-            self.budget = self.config.resolve_budget(self.prompt_len, self.policy.min_budget())
             return self.budget if physical > self.budget else None
         if self.policy.rolling and physical >= self.budget + interval:
             return self.budget
         return None
+
+    def prefill_cap(self, logical_len: int) -> int | None:
+        """Most prompt tokens the next step may prefill (None: no limit).
+
+        A streamed prompt's chunk must end where its next eviction is due, so
+        that every run (any batch, any chunking) evicts at the same tokens.
+        """
+        chunk = self.policy.prompt_chunk_size() if self.budget is not None else 0
+        if not chunk or logical_len >= self.prompt_len:
+            return None
+        return max(self.budget + chunk - self.physical(logical_len), 0)
 
     def commit(self, logical_len: int, new_physical: int) -> int:
         """Record a compression; return the number of tokens evicted."""

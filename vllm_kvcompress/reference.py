@@ -101,22 +101,36 @@ class ReferenceDecoder:
         state = None
         if config.enabled:
             state = RequestCompression(config, len(prompt), self.num_layers, self.num_kv_heads, self.num_q_heads)
-        logits = self._forward(prompt, torch.arange(len(prompt)), cache, state)
-        tokens = [int(logits.argmax())]
         lengths = []
+        interval = plan.interval(block_size)
+
+        def compress_if_due(logical: int) -> None:
+            target = plan.next_compression(logical, interval)
+            if target is None:
+                return
+            for layer in range(self.num_layers):
+                keep = state.select(layer, target)
+                keys, values = cache[layer]
+                idx = keep.unsqueeze(-1).expand(-1, -1, self.head_dim)
+                cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
+                state.compact(layer, keep)
+            state.finish_compaction()
+            plan.commit(logical, target)
+            lengths.append(target)
+
+        # The prompt in the chunks the planner allows (one chunk unless the
+        # policy streams the prompt), each preceded by any eviction due.
+        logical = 0
+        while logical < len(prompt):
+            compress_if_due(logical)
+            cap = plan.prefill_cap(logical)
+            end = len(prompt) if cap is None else min(len(prompt), logical + cap)
+            logits = self._forward(prompt[logical:end], torch.arange(logical, end), cache, state)
+            logical = end
+        tokens = [int(logits.argmax())]
         while len(tokens) < max_new_tokens:
             logical = len(prompt) + len(tokens) - 1  # tokens whose KV is cached
-            target = plan.next_compression(logical, plan.interval(block_size))
-            if target is not None:
-                for layer in range(self.num_layers):
-                    keep = state.select(layer, target)
-                    keys, values = cache[layer]
-                    idx = keep.unsqueeze(-1).expand(-1, -1, self.head_dim)
-                    cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
-                    state.compact(layer, keep)
-                state.finish_compaction()
-                plan.commit(logical, target)
-                lengths.append(target)
+            compress_if_due(logical)
             logits = self._forward([tokens[-1]], torch.tensor([logical]), cache, state)
             tokens.append(int(logits.argmax()))
         kept = [state.positions(i) for i in range(self.num_layers)] if state else None

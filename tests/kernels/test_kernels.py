@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from vllm_kvcompress.kernels import OP_NAMES, get_ops, reference as ref
+from vllm_kvcompress.policies.base import hole_filling_order
 
 try:
     import triton  # noqa: F401
@@ -49,7 +50,7 @@ def tk():
 # ---------------------------------------------------------------------------------------
 
 
-def make_paged(gen, lens, hkv, d, bs, dtype, spare_blocks=3, kv_pair=False):
+def make_paged(gen, lens, hkv, d, bs, dtype, spare_blocks=3, kv_layout=None):
     """Caches with shuffled, non-contiguous block tables (+ stale padding entries) and
     some blocks owned by nobody. Returns key_cache, value_cache, block_tables."""
     need = [max(1, -(-L // bs)) for L in lens]
@@ -62,12 +63,16 @@ def make_paged(gen, lens, hkv, d, bs, dtype, spare_blocks=3, kv_pair=False):
         bt[r, :n] = perm[used : used + n]
         used += n
         bt[r, n:] = perm[torch.randint(0, nblocks, (max_nb - n,), generator=gen)]  # stale ids
-    shape = (2, nblocks, bs, hkv, d) if kv_pair else (nblocks, bs, hkv, d)
-    kv = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
-    if kv_pair:
+    if kv_layout == "HND":  # one vLLM 0.32 cache tensor [N, H, B, 2D]: K, V halves of the last dim
+        kv = torch.randn((nblocks, hkv, bs, 2 * d), generator=gen).to(dtype).to(DEVICE)
         k, v = ref.split_kv_cache(kv)
+    elif kv_layout == "NHD":  # the same logical shape, stored [N, B, H, 2D]
+        kv = torch.randn((nblocks, bs, hkv, 2 * d), generator=gen).to(dtype).to(DEVICE)
+        k, v = ref.split_kv_cache(kv.transpose(1, 2))
     else:
-        k, v = kv, torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+        shape = (nblocks, bs, hkv, d)
+        k = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
+        v = torch.randn(shape, generator=gen).to(dtype).to(DEVICE)
     return k, v, bt.to(DEVICE)
 
 
@@ -240,9 +245,10 @@ def naive_compact(k, v, bt, keep, counts, scores):
     return k, v, scores
 
 
-def make_keep(gen, lens, hkv, kmax, pattern, per_head_counts):
-    """keep_idx [R, Hkv, kmax] ascending, counts [R, Hkv] (or None). Entries past a
-    head's count are garbage and must be ignored."""
+def make_keep(gen, lens, hkv, kmax, pattern, per_head_counts, hole_filling=False):
+    """keep_idx [R, Hkv, kmax] ascending (or in the plugin's hole-filling order),
+    counts [R, Hkv] (or None). Entries past a head's count are garbage and must be
+    ignored."""
     nreq = len(lens)
     keep = torch.randint(0, 7, (nreq, hkv, kmax), generator=gen)  # garbage by default
     counts = torch.empty(nreq, hkv, dtype=torch.long)
@@ -259,6 +265,8 @@ def make_keep(gen, lens, hkv, kmax, pattern, per_head_counts):
             else:  # "sink_recent" (StreamingLLM)
                 s = min(4, c)
                 idx = torch.cat([torch.arange(s), torch.arange(L - (c - s), L)])
+            if hole_filling and c:
+                idx = hole_filling_order(idx[None])[0]
             keep[r, h, :c] = idx
             counts[r, h] = c
     if not per_head_counts:
@@ -268,13 +276,16 @@ def make_keep(gen, lens, hkv, kmax, pattern, per_head_counts):
     return keep, counts
 
 
-@pytest.mark.parametrize("pattern,per_head", [("random", False), ("prefix_then_jump", True), ("sink_recent", True)])
-def test_reference_compact_vs_naive(pattern, per_head):
+@pytest.mark.parametrize("pattern,per_head,hole_filling", [
+    ("random", False, False), ("prefix_then_jump", True, False), ("sink_recent", True, False),
+    ("random", False, True), ("sink_recent", True, True),
+])
+def test_reference_compact_vs_naive(pattern, per_head, hole_filling):
     gen = torch.Generator().manual_seed(6)
     lens = [9, 20, 33] if per_head else [12, 20, 33]
     hkv, g, d, bs, kmax = 2, 3, 8, 8, 12
-    k, v, bt = make_paged(gen, lens, hkv, d, bs, F16, kv_pair=True)
-    keep, counts = make_keep(gen, lens, hkv, kmax, pattern, per_head)
+    k, v, bt = make_paged(gen, lens, hkv, d, bs, F16, kv_layout="NHD")
+    keep, counts = make_keep(gen, lens, hkv, kmax, pattern, per_head, hole_filling)
     ref.check_keep_idx(keep, counts, torch.tensor(lens))
     scores = torch.rand(3, hkv * g, 40, generator=gen).to(DEVICE)
     wk, wv, ws = naive_compact(k, v, bt, keep, counts, scores)
@@ -290,6 +301,9 @@ def test_reference_compact_single_request_and_checks():
     wk, wv, ws = naive_compact(k, v, bt, keep[None], None, scores[None])
     ref.compact_kv(k, v, bt[0], keep, scores=scores)
     assert torch.equal(k.cpu(), wk) and torch.equal(v.cpu(), wv) and torch.equal(scores, ws[0])
+    ref.check_keep_idx(torch.tensor([[0, 7, 2, 5]]))  # hole-filling
+    with pytest.raises(ValueError):
+        ref.check_keep_idx(torch.tensor([[0, 3, 2, 5]]))  # neither ascending nor hole-filling
     with pytest.raises(ValueError):
         ref.check_keep_idx(torch.tensor([[0, 3, 3]]))
     with pytest.raises(ValueError):
@@ -406,19 +420,20 @@ def test_triton_decode_default_split():
 
 @needs_triton
 @pytest.mark.parametrize("g,d,bs,dtype", CONFIGS)
-@pytest.mark.parametrize("pattern,per_head,with_scores", [
-    ("random", False, True),
-    ("prefix_then_jump", True, True),
-    ("sink_recent", True, False),
+@pytest.mark.parametrize("pattern,per_head,with_scores,hole_filling", [
+    ("random", False, True, False),
+    ("prefix_then_jump", True, True, False),
+    ("sink_recent", True, False, False),
+    ("random", True, True, True),
 ])
-def test_triton_compact(g, d, bs, dtype, pattern, per_head, with_scores):
+def test_triton_compact(g, d, bs, dtype, pattern, per_head, with_scores, hole_filling):
     gen = torch.Generator().manual_seed(g * 1000 + d + bs + len(pattern))
     lens = [bs + 5, 2 * bs - 3, 70]  # compaction needs at least kmax tokens unless per-head counts
     if per_head:
         lens = [1] + lens
     kmax = min(lens) if not per_head else 21
-    k, v, bt = make_paged(gen, lens, HKV, d, bs, dtype, kv_pair=(g != 8))
-    keep, counts = make_keep(gen, lens, HKV, kmax, pattern, per_head)
+    k, v, bt = make_paged(gen, lens, HKV, d, bs, dtype, kv_layout="HND" if g != 8 else None)
+    keep, counts = make_keep(gen, lens, HKV, kmax, pattern, per_head, hole_filling)
     scores = torch.rand(len(lens), HKV * g, max(lens) + 2, generator=gen).to(DEVICE) if with_scores else None
     k2, v2 = k.clone(), v.clone()
     s2 = None if scores is None else scores.clone()

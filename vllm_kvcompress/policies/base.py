@@ -62,6 +62,15 @@ class Policy:
         """Smallest budget that still holds every protected token."""
         return 1
 
+    def prompt_chunk_size(self) -> int:
+        """Prompt tokens prefilled between evictions; 0: the whole prompt first.
+
+        Only position-scored policies can evict mid-prompt (no later query can
+        change their choice); they then hold at most budget + chunk tokens
+        while prefilling, so admitting a request needs only that many blocks.
+        """
+        return 0
+
     def window_queries(self) -> int:
         """How many trailing prompt queries Observe.WINDOW accumulates."""
         return 0
@@ -130,18 +139,40 @@ def hash_uniform(seed: int, *index: torch.Tensor) -> torch.Tensor:
 def select_keep(
     scores: torch.Tensor, positions: torch.Tensor, keep: int, sinks: int, recent: int
 ) -> torch.Tensor:
-    """Indices [Hkv, keep] (ascending) of the cached tokens each head keeps.
+    """Indices [Hkv, keep] of the cached tokens each head keeps, in hole-filling order.
 
     scores, positions: [Hkv, T]. Protected tokens (logical position < sinks,
     or among the `recent` newest) are always kept; the rest of the budget goes
-    to the highest scores.
+    to the highest scores. See `hole_filling_order` for the order.
     """
     num_tokens = scores.shape[-1]
     if keep >= num_tokens:
         return torch.arange(num_tokens).expand(scores.shape[0], -1).clone()
     protected = positions < sinks
     if recent > 0:
-        protected[:, -recent:] = True
+        # Newest by logical position: after a compaction the physical order
+        # is no longer chronological.
+        protected.scatter_(1, positions.topk(min(recent, num_tokens), dim=-1).indices, True)
     ranked = scores.to(torch.float32).masked_fill(protected, float("inf"))
-    idx = torch.topk(ranked, keep, dim=-1, sorted=False).indices
-    return idx.sort(dim=-1).values
+    return hole_filling_order(torch.topk(ranked, keep, dim=-1, sorted=False).indices)
+
+
+def hole_filling_order(kept: torch.Tensor) -> torch.Tensor:
+    """[H, K] kept physical indices (any order) -> the order compaction uses.
+
+    Entry j is j when token j stays where it is; otherwise it is a kept token
+    from beyond the new length K that moves into the evicted slot j (ascending
+    sources into ascending holes). Compaction then copies only the tokens
+    that move, about as many as were evicted rather than all K, and in any
+    order: sources (>= K) and destinations (< K) never overlap. Attention does
+    not care in which slots the cached keys sit (positions are in the keys).
+    """
+    num_heads, keep = kept.shape
+    kept = kept.sort(dim=-1).values
+    moving = kept >= keep
+    stays = torch.zeros(num_heads, keep + 1, dtype=torch.bool)
+    stays.scatter_(1, kept.masked_fill(moving, keep), True)
+    order = torch.arange(keep).expand(num_heads, -1).clone()
+    # Per head, #holes == #movers; both masks flatten row by row.
+    order[~stays[:, :keep]] = kept[moving]
+    return order

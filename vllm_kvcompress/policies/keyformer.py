@@ -34,7 +34,7 @@ class Keyformer(Policy):
         return max(self.window, 1)
 
     def transform_logits(self, logits, layer, q_pos, k_pos, num_compressions):
-        heads = torch.arange(logits.shape[0]).view(-1, 1, 1)
+        heads = torch.arange(logits.shape[0], device=logits.device).view(-1, 1, 1)
         u = hash_uniform(self.seed, torch.tensor(layer), heads, q_pos.view(1, -1, 1), k_pos.unsqueeze(1))
         gumbel = -torch.log(-torch.log(u)).to(logits.dtype)
         tau = self.tau_init + self.delta_tau * num_compressions

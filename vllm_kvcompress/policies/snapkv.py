@@ -52,7 +52,8 @@ class SnapKV(Policy):
 
     def score(self, obs: Observation) -> torch.Tensor:
         scores = reduce_gqa(obs.attention, obs.num_kv_heads, self.gqa_reduce)
-        # Pool over the prefix only: the window is kept whole anyway.
+        # Pool over the prefix only: the window is kept whole anyway. SnapKV
+        # compresses once, at prefill end, so the cache is still chronological.
         prefix = max(scores.shape[-1] - self.window, 0)
         scores[:, :prefix] = pool_scores(scores[:, :prefix], self.kernel_size, self.pooling)
         return scores

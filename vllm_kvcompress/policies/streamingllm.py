@@ -14,10 +14,18 @@ class StreamingLLM(Policy):
     rolling = True
 
     sink_tokens: int = field(default=4, metadata={"help": "first tokens always kept (attention sinks)"})
+    prompt_chunk: int = field(default=0, metadata={
+        "help": "stream the prompt: evict every this many prefilled tokens, so a request never holds more "
+                "than budget + prompt_chunk tokens (0: prefill the whole prompt, then evict)"})
 
     def validate(self) -> None:
         if self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.prompt_chunk < 0:
+            raise ValueError(f"prompt_chunk must be >= 0, got {self.prompt_chunk}")
+
+    def prompt_chunk_size(self) -> int:
+        return self.prompt_chunk
 
     def protected(self, budget: int) -> tuple[int, int]:
         return self.sink_tokens, budget - self.sink_tokens

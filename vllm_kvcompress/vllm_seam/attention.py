@@ -1,18 +1,23 @@
-"""Attention backend subclass: the one place that sees post-RoPE queries.
+"""Attention backend subclasses: the one place that sees post-RoPE queries.
 
 vLLM's attention kernels do not return attention probabilities, so after the
 regular forward the queries a policy observes are scored against the request's
-cached keys (read back through the block table).
+cached keys (read back through the block table). One subclass per supported
+backend, registered under the backend's own name so vLLM picks it as usual:
+CPU_ATTN on CPU, FLASH_ATTN on CUDA.
 """
 
 from __future__ import annotations
 
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
 from . import worker
 
 
-class KVCompressCPUImpl(CPUAttentionBackendImpl):
+class ObserveQueries:
+    """Attention impl mixin: after the forward, score the step's observed queries."""
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         step = worker.active_observation()
@@ -21,13 +26,30 @@ class KVCompressCPUImpl(CPUAttentionBackendImpl):
         return output
 
 
+class KVCompressCPUImpl(ObserveQueries, CPUAttentionBackendImpl):
+    pass
+
+
 class KVCompressCPUBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return KVCompressCPUImpl
 
 
-def register_backend() -> None:
+class KVCompressFlashImpl(ObserveQueries, FlashAttentionImpl):
+    pass
+
+
+class KVCompressFlashBackend(FlashAttentionBackend):
+    @staticmethod
+    def get_impl_cls():
+        return KVCompressFlashImpl
+
+
+def register_backends(platform) -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.KVCompressCPUBackend")
+    if platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.KVCompressCPUBackend")
+    elif platform.is_cuda():
+        register_backend(AttentionBackendEnum.FLASH_ATTN, f"{__name__}.KVCompressFlashBackend")

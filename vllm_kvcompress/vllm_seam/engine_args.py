@@ -168,7 +168,28 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
     args.scheduler_cls = SCHEDULER_CLS
     # The hooks target the V1 model runner; spawned workers inherit this.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    prepare_platform(args)
     return config
+
+
+def prepare_platform(args) -> None:
+    """CPU: CPU_ATTN as vLLM picks it. CUDA: FLASH_ATTN, eager. Else: refuse."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return
+    if not current_platform.is_cuda():
+        raise _refuse(f"the {current_platform.device_name} platform (CPU and CUDA only)")
+    chosen = args.attention_backend or getattr(args.attention_config, "backend", None)
+    name = getattr(chosen, "name", chosen)
+    if name is None:
+        args.attention_backend = "FLASH_ATTN"
+    elif str(name).upper() != "FLASH_ATTN":
+        raise _refuse(f"attention backend {name} (on CUDA only FLASH_ATTN's cache layout is known)")
+    if not args.enforce_eager:
+        logger.warning("kv_compress: CUDA graphs turned off (enforce_eager): a captured graph would "
+                       "replay attention without the plugin's query scoring")
+    args.enforce_eager = True
 
 
 def check_model(vllm_config) -> None:

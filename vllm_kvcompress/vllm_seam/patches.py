@@ -8,9 +8,15 @@ and no `--kv-compress`, vLLM behaves exactly as without it.
 
 Subclasses that vLLM instantiates for us (not patches):
   - vllm.v1.core.sched.scheduler.Scheduler -> scheduler.KVCompressScheduler,
-    installed through `scheduler_cls` only when compression is configured.
+    installed through `scheduler_cls` only when compression is configured;
+    overrides `schedule` (plan compressions first), `_reserve_prefill_lookahead`
+    (end a streamed prompt's chunk at its next eviction) and
+    `_free_request_blocks` (where finish, abort and preemption drop the state).
   - vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend/Impl ->
-    attention.KVCompressCPUBackend/Impl, registered for CPU_ATTN.
+    attention.KVCompressCPUBackend/Impl, registered for CPU_ATTN on CPU;
+    vllm.v1.attention.backends.flash_attn.FlashAttentionBackend/Impl ->
+    attention.KVCompressFlashBackend/Impl, registered for FLASH_ATTN on CUDA.
+    Both only add, after `forward`, the scoring of the step's observed queries.
 """
 
 from __future__ import annotations
@@ -103,10 +109,9 @@ def apply_all() -> None:
     apply(PATCHES)
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        from . import attention
+    from . import attention
 
-        attention.register_backend()
+    attention.register_backends(current_platform)
     _applied.add(("attention",))
 
 

@@ -120,6 +120,13 @@ class KVCompressScheduler(Scheduler):
             self._write_snapshot()
         return output
 
+    def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        # vLLM's last word on a request's chunk (running and waiting alike): a
+        # streamed prompt's chunk ends where its next eviction is due.
+        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        cap = self._request_state(request).prefill_cap(num_computed_tokens)
+        return num_new_tokens if cap is None else min(num_new_tokens, cap)
+
     def _write_snapshot(self) -> None:
         data = self.kvc_stats.snapshot(self.kv_cache_manager.block_pool.get_num_free_blocks(), per_request=False)
         data["ratio_histogram"] = self._kvc_ratios.to_dict()

@@ -18,9 +18,10 @@ import time
 import numpy as np
 import torch
 
-from ..cache_layout import CPUAttnLayout
+from ..cache_layout import CPUAttnLayout, PagedLayout
 from ..compression import RequestCompression
 from ..config import CONFIG_KEY, KVCompressConfig
+from ..kernels import get_ops
 from ..planner import cdiv
 from ..accounting import PLAN_ATTR, StepPlan
 from .metrics import SnapshotWriter
@@ -48,47 +49,84 @@ class StepObservation:
 
     def observe(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         start = time.perf_counter()
-        layer = self.worker.layer_of[layer_name]
+        worker = self.worker
+        layer = worker.layer_of[layer_name]
         for state, token_idx, q_log, q_phys, seq_len, block_ids in self.items:
-            keys = self.worker.layout.gather_keys(kv_cache, block_ids, seq_len).to(torch.float32)
+            if worker.fused_scores and state.plain_softmax_sums:
+                # One Triton pass over the paged keys: softmax sums per slot.
+                keys = worker.layout.views(kv_cache)[0]
+                for sl in _chunks(len(token_idx)):
+                    state.accumulate(layer, worker.ops.window_scores(
+                        query[token_idx[sl]], keys, block_ids, seq_len, q_phys[sl], worker.scale))
+                continue
+            keys = worker.layout.gather_keys(kv_cache, block_ids, seq_len).to(torch.float32)
             hkv, _, d = keys.shape
-            key_pos = torch.arange(seq_len)
-            for start in range(0, len(token_idx), QUERY_CHUNK):
-                sl = slice(start, start + QUERY_CHUNK)
+            key_pos = torch.arange(seq_len, device=keys.device)
+            for sl in _chunks(len(token_idx)):
                 q = query[token_idx[sl]].to(torch.float32)  # [n, Hq, D]
                 n = q.shape[0]
                 q = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*n, D]
-                logits = torch.bmm(q, keys.transpose(1, 2)).view(-1, n, seq_len) * self.worker.scale
-                logits.masked_fill_(key_pos.view(1, 1, -1) > q_phys[sl].view(1, -1, 1), float("-inf"))
+                logits = torch.bmm(q, keys.transpose(1, 2)).view(-1, n, seq_len) * worker.scale
+                visible = q_phys[sl].to(keys.device).view(1, -1, 1)
+                logits.masked_fill_(key_pos.view(1, 1, -1) > visible, float("-inf"))
                 state.observe(layer, logits, q_log[sl])
-        self.worker.seconds["scoring"] += time.perf_counter() - start
+        worker.seconds["scoring"] += time.perf_counter() - start
         self.layers_seen += 1
-        if self.layers_seen == self.worker.num_layers:
+        if self.layers_seen == worker.num_layers:
             set_active(None)  # a later warm-up or dummy run must not observe
-            self.worker.snapshot.write(self.worker.seconds)
+            worker.snapshot.write(worker.seconds)
 
 
-def check_cpu_layout(layer) -> None:
-    """Refuse to run unless our reader sees what vLLM's own writer wrote.
+def _chunks(num_queries: int):
+    return (slice(i, i + QUERY_CHUNK) for i in range(0, num_queries, QUERY_CHUNK))
 
-    The CPU cache's inner layout depends on the instruction-set path and the
-    cache dtype; reading it wrong would corrupt output silently.
-    """
+
+# ------------------------------------------------------------ cache layouts
+
+
+def _write_cpu_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     from vllm import _custom_ops as ops
 
+    _, heads, block, two_d = scratch.shape
+    key_cache, value_cache = scratch.view(2, heads, 2 * block, two_d // 2).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(len(key)), layer.isa)
+
+
+def _write_flash_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    from vllm import _custom_ops as ops
+
+    key_cache, value_cache = scratch.transpose(1, 2).split(scratch.shape[-1] // 2, dim=-1)
+    slots = torch.arange(len(key), device=scratch.device)
+    ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", layer._k_scale, layer._v_scale)
+
+
+# attention backend -> (layout for the kernel ops, vLLM's own cache writer for the self-test)
+LAYOUTS = {
+    "CPU_ATTN": (lambda ops: CPUAttnLayout, _write_cpu_attn),
+    "FLASH_ATTN": (PagedLayout, _write_flash_attn),
+}
+
+
+def check_layout(layer, layout, write) -> None:
+    """Refuse to run unless our reader sees what vLLM's own writer wrote.
+
+    A cache's inner layout depends on the backend, the instruction-set path
+    and the cache dtype; reading it wrong would corrupt output silently.
+    """
     if layer.impl.kv_cache_dtype != "auto":
         raise RuntimeError(f"kv_compress: KV cache dtype {layer.impl.kv_cache_dtype!r} is not supported (use auto)")
-    _, heads, block, two_d = layer.kv_cache.shape
+    cache = layer.kv_cache
+    _, heads, block, two_d = cache.shape
     dim, n = two_d // 2, block + 3
-    scratch = torch.zeros(2, heads, block, two_d, dtype=layer.kv_cache.dtype)
-    key = torch.randn(n, heads, dim).to(scratch.dtype)
-    value = torch.randn(n, heads, dim).to(scratch.dtype)
-    key_cache, value_cache = scratch.view(2, heads, 2 * block, dim).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n), layer.isa)
-    keys, values = CPUAttnLayout.gather(scratch, torch.arange(2), n)
+    scratch = torch.zeros_like(cache[:2])  # two blocks, the cache's own strides
+    key = torch.randn(n, heads, dim).to(cache.dtype).to(cache.device)
+    value = torch.randn(n, heads, dim).to(cache.dtype).to(cache.device)
+    write(layer, scratch, key, value)
+    keys, values = layout.gather(scratch, torch.arange(2, device=cache.device), n)
     if not (torch.equal(keys, key.transpose(0, 1)) and torch.equal(values, value.transpose(0, 1))):
         raise RuntimeError(
-            f"kv_compress: unknown CPU KV cache layout (isa {layer.isa!r}, dtype {scratch.dtype}); refusing to compact"
+            f"kv_compress: unknown {layout.name} KV cache layout (shape {tuple(cache.shape)}, "
+            f"strides {cache.stride()}, dtype {cache.dtype}); refusing to compact"
         )
 
 
@@ -118,14 +156,27 @@ class WorkerCompression:
                 f"kv_compress: kernel block size {table.block_size} differs from the KV manager's "
                 f"{self.block_size}; choose --block-size as a multiple of 32 that the backend uses as is"
             )
-        self.layout = CPUAttnLayout
-        check_cpu_layout(first)
+        # Dispatch, once: the cache layout by attention backend, the kernel
+        # ops by device (Triton on CUDA, torch elsewhere).
+        backend = first.attn_backend.get_name()
+        if backend not in LAYOUTS:
+            raise RuntimeError(
+                f"kv_compress: attention backend {backend} is not supported (CPU_ATTN on CPU, "
+                f"FLASH_ATTN on CUDA); refusing to compact a cache layout it does not know"
+            )
+        make_layout, write = LAYOUTS[backend]
+        self.ops = get_ops(first.kv_cache.device.type)
+        self.layout = make_layout(self.ops)
+        check_layout(first, self.layout, write)
+        # Triton's fused window scores read the paged keys once per request.
+        self.fused_scores = self.ops.backend == "triton" and isinstance(self.layout, PagedLayout)
         self.states: dict[str, RequestCompression] = {}
         self.evicted: dict[str, int] = {}
         self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
         self.snapshot = SnapshotWriter("worker")
-        logger.info("kv_compress worker ready (pid %d): %s, %d layers, block %d",
-                    os.getpid(), self.config.to_dict(), self.num_layers, self.block_size)
+        logger.info("kv_compress worker ready (pid %d): %s, %d layers, block %d, %s cache, %s ops",
+                    os.getpid(), self.config.to_dict(), self.num_layers, self.block_size, backend,
+                    self.ops.backend)
 
     def kv_cache(self, layer: int) -> torch.Tensor:
         return self.layers[layer].kv_cache
