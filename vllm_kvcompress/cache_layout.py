@@ -51,26 +51,35 @@ class CPUAttnLayout:
         pos = torch.arange(num_tokens, device=kv_cache.device)
         return k_view[block_ids[pos // block_size], :, :, pos % block_size].transpose(0, 1)
 
-    @classmethod
-    def compact(cls, kv_cache: torch.Tensor, block_ids: torch.Tensor, keep_idx: torch.Tensor) -> None:
-        """Make slot j of each head hold token keep_idx[h, j], j < keep.
+    @staticmethod
+    def plan_moves(block_ids: torch.Tensor, keep_idx: torch.Tensor, block_size: int):
+        """Where each moving token goes, computed once for every layer that keeps the same.
 
-        Only tokens that move are copied (see `hole_filling_order`); the gather
-        copies before the scatter writes, so any overlap would be safe too.
+        Slot j of head h must hold token keep_idx[h, j]; only tokens not already
+        there move (see `hole_filling_order`).
         """
-        k_view, v_view = cls.views(kv_cache)
-        block_size = k_view.shape[-1]
-        dst = torch.arange(keep_idx.shape[1], device=kv_cache.device).expand_as(keep_idx)
+        dst = torch.arange(keep_idx.shape[1]).expand_as(keep_idx)
         heads, slots = (keep_idx != dst).nonzero(as_tuple=True)
+        src = keep_idx[heads, slots]
+        return (heads, block_ids[src // block_size], src % block_size,
+                block_ids[slots // block_size], slots % block_size)
+
+    @classmethod
+    def move(cls, kv_cache: torch.Tensor, moves) -> None:
+        """Apply `plan_moves` to one layer; the gather copies before the scatter writes."""
+        heads, src_blk, src_off, dst_blk, dst_off = moves
         if heads.numel() == 0:
             return
-        src = keep_idx[heads, slots]
-        src_blk, src_off = block_ids[src // block_size], src % block_size
-        dst_blk, dst_off = block_ids[slots // block_size], slots % block_size
+        k_view, v_view = cls.views(kv_cache)
         keys = k_view[src_blk, heads, :, src_off]  # [n, D] copies
         values = v_view[src_blk, heads, src_off, :]
         k_view[dst_blk, heads, :, dst_off] = keys
         v_view[dst_blk, heads, dst_off, :] = values
+
+    @classmethod
+    def compact(cls, kv_cache: torch.Tensor, block_ids: torch.Tensor, keep_idx: torch.Tensor) -> None:
+        """Make slot j of each head hold token keep_idx[h, j], j < keep."""
+        cls.move(kv_cache, cls.plan_moves(block_ids, keep_idx, kv_cache.shape[2]))
 
 
 class PagedLayout:
@@ -78,8 +87,9 @@ class PagedLayout:
 
     name = "FLASH_ATTN"
 
-    def __init__(self, ops) -> None:
+    def __init__(self, ops, device: torch.device | str = "cpu") -> None:
         self.ops = ops  # vllm_kvcompress.kernels.get_ops(device): Triton or torch
+        self.device = device
 
     def views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) views [N, B, H, D], split the way FlashAttention splits them."""
@@ -94,7 +104,13 @@ class PagedLayout:
     def gather_keys(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int):
         return self.ops.gather_dense(self.views(kv_cache)[0], block_ids, num_tokens)
 
-    def compact(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, keep_idx: torch.Tensor) -> None:
-        """Make slot j of each head hold token keep_idx[h, j] (one kernel launch)."""
+    def plan_moves(self, block_ids: torch.Tensor, keep_idx: torch.Tensor, block_size: int):
+        return block_ids.to(self.device), keep_idx.to(self.device)
+
+    def move(self, kv_cache: torch.Tensor, moves) -> None:
+        """Slot j of each head gets token keep_idx[h, j] (one kernel launch)."""
         k_view, v_view = self.views(kv_cache)
-        self.ops.compact_kv(k_view, v_view, block_ids.to(kv_cache.device), keep_idx.to(kv_cache.device))
+        self.ops.compact_kv(k_view, v_view, *moves)
+
+    def compact(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, keep_idx: torch.Tensor) -> None:
+        self.move(kv_cache, self.plan_moves(block_ids, keep_idx, kv_cache.shape[2]))

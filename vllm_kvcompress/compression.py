@@ -36,6 +36,7 @@ class RequestCompression:
         self._tail_start = 0
         self._tail_len = 0
         self.attention: list[torch.Tensor | None] = [None] * num_layers
+        self._shared_selection: tuple = (None, None)  # (compaction, keep) -> indices
 
     # ------------------------------------------------------------ observing
 
@@ -117,7 +118,19 @@ class RequestCompression:
     # ------------------------------------------------------------ compacting
 
     def select(self, layer: int, keep: int) -> torch.Tensor:
-        """[Hkv, keep] ascending physical indices this layer keeps per head."""
+        """[Hkv, keep] physical indices this layer keeps per head (hole-filling order).
+
+        A policy that is not `per_layer` returns the same tensor for every
+        layer of one compaction, so callers can reuse what they derive from it.
+        """
+        if not self.policy.per_layer:
+            key = (self.num_compressions, keep)
+            if self._shared_selection[0] != key:
+                self._shared_selection = (key, self._select(layer, keep))
+            return self._shared_selection[1]
+        return self._select(layer, keep)
+
+    def _select(self, layer: int, keep: int) -> torch.Tensor:
         positions = self.positions(layer)
         acc = self.attention[layer]
         if acc is not None:

@@ -50,6 +50,9 @@ class Policy:
     # True: evict again during decoding whenever the cache outgrows the budget
     # by `interval` tokens. False: compress once, at the end of prefill.
     rolling: ClassVar[bool] = False
+    # False: scores depend on positions alone, the same in every layer, so one
+    # selection serves all layers (and every layer keeps the same tokens).
+    per_layer: ClassVar[bool] = True
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""

@@ -102,7 +102,7 @@ def _write_flash_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: to
 
 # attention backend -> (layout for the kernel ops, vLLM's own cache writer for the self-test)
 LAYOUTS = {
-    "CPU_ATTN": (lambda ops: CPUAttnLayout, _write_cpu_attn),
+    "CPU_ATTN": (lambda ops, device: CPUAttnLayout, _write_cpu_attn),
     "FLASH_ATTN": (PagedLayout, _write_flash_attn),
 }
 
@@ -166,7 +166,7 @@ class WorkerCompression:
             )
         make_layout, write = LAYOUTS[backend]
         self.ops = get_ops(first.kv_cache.device.type)
-        self.layout = make_layout(self.ops)
+        self.layout = make_layout(self.ops, first.kv_cache.device)
         check_layout(first, self.layout, write)
         # Triton's fused window scores read the paged keys once per request.
         self.fused_scores = self.ops.backend == "triton" and isinstance(self.layout, PagedLayout)
@@ -207,6 +207,7 @@ class WorkerCompression:
         state = self.states[rid]
         block_ids = self.runner.requests[rid].block_ids[0]
         ids = torch.tensor(block_ids, dtype=torch.int64)
+        moves = planned_for = None
         for layer in range(self.num_layers):
             if state.num_tokens(layer) != old_len:
                 raise RuntimeError(
@@ -214,7 +215,9 @@ class WorkerCompression:
                     f"{state.num_tokens(layer)} tokens, scheduler says {old_len}"
                 )
             keep_idx = state.select(layer, new_len)
-            self.layout.compact(self.kv_cache(layer), ids, keep_idx)
+            if keep_idx is not planned_for:  # layers that keep alike share one plan
+                moves, planned_for = self.layout.plan_moves(ids, keep_idx, self.block_size), keep_idx
+            self.layout.move(self.kv_cache(layer), moves)
             state.compact(layer, keep_idx)
         state.finish_compaction()
         keep_blocks = cdiv(new_len, self.block_size)
