@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from vllm_kvcompress.cache_layout import CPUAttnLayout, PagedLayout
 from vllm_kvcompress.compression import RequestCompression
-from vllm_kvcompress.config import KVCompressConfig
-from vllm_kvcompress.planner import RequestState
+from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
+from vllm_kvcompress.planner import RequestState, layer_groups
 from vllm_kvcompress.policies import select_keep
 from vllm_kvcompress.policies.base import hash_uniform, reduce_gqa
 from vllm_kvcompress.policies.snapkv import pool_scores
@@ -113,10 +113,11 @@ def test_planner_schedule():
     cfg = KVCompressConfig.from_dict({"policy": "h2o", "budget": 64})
     state = RequestState.create(cfg, prompt_len=200)
     assert state.next_compression(100, 32) is None  # still prefilling
-    assert state.next_compression(200, 32) == 64  # prefill ended over budget
-    assert state.commit(200, 64) == 136 and state.physical(201) == 65
+    assert state.next_compression(200, 32) == (64,)  # prefill ended over budget
+    state.commit(200, (64,))
+    assert state.num_evicted == [136] and state.physical(201) == (65,)
     assert state.next_compression(200 + 31, 32) is None  # 95 < 64 + 32
-    assert state.next_compression(200 + 32, 32) == 64  # 96: one block to free
+    assert state.next_compression(200 + 32, 32) == (64,)  # 96: one block to free
     snap = RequestState.create(KVCompressConfig.from_dict({"policy": "snapkv", "budget": 64}), prompt_len=50)
     assert snap.next_compression(50, 32) is None and snap.next_compression(500, 32) is None  # never rolls
 
@@ -125,12 +126,31 @@ def test_planner_streams_a_prompt_in_chunks():
     cfg = KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64, "prompt_chunk": 32})
     state = RequestState.create(cfg, prompt_len=200)
     assert state.prefill_cap(0) == 96  # budget + chunk before the first eviction
-    assert state.next_compression(95, 32) is None and state.next_compression(96, 32) == 64
-    state.commit(96, 64)
+    assert state.next_compression(95, 32) is None and state.next_compression(96, 32) == (64,)
+    state.commit(96, (64,))
     assert state.prefill_cap(96) == 32 and state.next_compression(127, 32) is None
     assert state.prefill_cap(200) is None  # prompt done: decode rolls as usual
     plain = RequestState.create(KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64}), 200)
     assert plain.prefill_cap(0) is None and plain.next_compression(150, 32) is None
+
+
+def test_pyramid_budgets_follow_the_reference_schedule_and_group_into_tiers():
+    cfg = KVCompressConfig.from_dict({"policy": "pyramidkv", "budget": 96, "window": 8, "layer_groups": 4})
+    policy = cfg.make_policy()
+    # KVCache-Factory: min (96-8)//20 = 4, max 2*88-4 = 172, step (172-4)//3 = 56, + window.
+    assert policy.layer_budgets(96, 4, 1000) == [180, 124, 68, 12]
+    assert policy.layer_budgets(96, 4, 150) == [150, 114, 78, 42]  # short prompt: bottom keeps all
+    state = RequestState.create(cfg, 1000, layer_groups(4, 4))
+    assert state.budgets == (180, 124, 68, 12)
+    tiers = RequestState.create(cfg.merged({"policy": "pyramidkv", "budget": 96, "window": 8}), 1000, layer_groups(4, 2))
+    assert tiers.budgets == (180, 68)  # a tier keeps its largest layer budget
+    assert state.next_compression(1000, 32) == (180, 124, 68, 12)
+    with pytest.raises(KVCompressConfigError, match="layer_groups"):
+        KVCompressConfig.from_dict({"policy": "pyramidkv", "budget": 96})  # needs groups
+    with pytest.raises(KVCompressConfigError, match="engine setting"):
+        cfg.merged({"layer_groups": 2})
+    with pytest.raises(ValueError, match="valid values: \\[1, 2, 4\\]"):
+        layer_groups(4, 3)
 
 
 def test_cpu_layout_reader_and_compaction_in_place():

@@ -18,10 +18,17 @@ class StepPlan:
 
     # Requests whose compression state (re)starts: id -> (prefill length, config dict).
     started: dict[str, tuple[int, dict]] = field(default_factory=dict)
-    # Compactions to run before the step's forward: (request id, old, new physical length).
-    ops: list[tuple[str, int, int]] = field(default_factory=list)
-    # logical - physical length of every scheduled request with a state.
-    evicted: dict[str, int] = field(default_factory=dict)
+    # Compactions to run before the step's forward: (request id, old, new
+    # physical length), lengths per KV cache group.
+    ops: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    # logical - physical length per KV cache group of every scheduled request with a state.
+    evicted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def per_layer(values) -> int | float:
+    """Tokens per layer from per-group counts (groups hold equally many layers)."""
+    total = sum(values)
+    return total // len(values) if total % len(values) == 0 else total / len(values)
 
 
 @dataclass
@@ -31,9 +38,11 @@ class RequestStats:
     tokens_evicted: int = 0
     blocks_freed: int = 0
     compressions: int = 0
-    tokens_kept: int = 0  # physical length after the latest compression
+    # Tokens per layer (the mean over KV cache groups, which have equal sizes).
+    tokens_kept: int | float = 0  # physical length after the latest compression
     blocks_held: int = 0  # after the latest compression, then when the cache was released
     finished: bool = False
+    tokens_kept_per_group: tuple[int, ...] = ()
 
 
 @dataclass
@@ -53,16 +62,20 @@ class CompressionStats:
     def start(self, request_id: str, prefill_len: int, policy: str) -> None:
         self.requests[request_id] = RequestStats(policy=policy, prefill_len=prefill_len)
 
-    def compressed(self, request_id: str, old: int, new: int, blocks_freed: int, blocks_held: int) -> None:
+    def compressed(self, request_id: str, old: tuple[int, ...], new: tuple[int, ...], blocks_freed: int,
+                   blocks_held: int) -> None:
+        """Lengths per KV cache group; blocks summed over groups."""
         r = self.requests[request_id]
         if r.compressions == 0:
             self.requests_compressed += 1
-        r.tokens_evicted += old - new
+        evicted = per_layer([o - n for o, n in zip(old, new)])
+        r.tokens_evicted += evicted
         r.blocks_freed += blocks_freed
         r.compressions += 1
         r.blocks_held = blocks_held
-        r.tokens_kept = new
-        self.tokens_evicted += old - new
+        r.tokens_kept = per_layer(new)
+        r.tokens_kept_per_group = tuple(new)
+        self.tokens_evicted += evicted
         self.blocks_freed += blocks_freed
         self.compressions += 1
 

@@ -120,10 +120,10 @@ class RequestCompression:
     def select(self, layer: int, keep: int) -> torch.Tensor:
         """[Hkv, keep] physical indices this layer keeps per head (hole-filling order).
 
-        A policy that is not `per_layer` returns the same tensor for every
-        layer of one compaction, so callers can reuse what they derive from it.
+        A policy with `same_selection_in_every_layer` returns the same tensor
+        for every layer of one compaction (callers reuse what they derive from it).
         """
-        if not self.policy.per_layer:
+        if self.policy.same_selection_in_every_layer:
             key = (self.num_compressions, keep)
             if self._shared_selection[0] != key:
                 self._shared_selection = (key, self._select(layer, keep))

@@ -22,7 +22,8 @@ from typing import Any
 from .policies import POLICIES, Policy
 
 CONFIG_KEY = "kv_compress"  # key inside vLLM's additional_config / extra_args
-COMMON_FIELDS = ("policy", "budget", "compression_ratio", "interval")
+COMMON_FIELDS = ("policy", "budget", "compression_ratio", "interval", "layer_groups")
+ENGINE_FIELDS = ("layer_groups",)  # fixed at startup: a request cannot change them
 
 
 # Short names accepted for fields (the CLI flag is --kv-compress-ratio).
@@ -77,6 +78,10 @@ class KVCompressConfig:
     # Rolling policies evict again once the cache has grown by this many tokens
     # past the budget; None means one KV block (each eviction frees a block).
     interval: int | None = None
+    # Engine setting: KV cache groups the layers are split into (contiguous
+    # tiers of equal size), each with its own block table, so layers with
+    # different budgets free their own blocks. None: one group.
+    layer_groups: int | None = None
     # The policy's own parameters, validated against its dataclass fields.
     params: Mapping[str, Any] = field(default_factory=dict)
 
@@ -93,7 +98,8 @@ class KVCompressConfig:
             raise _fail("policy", f"unknown policy {policy!r}; valid policies: {sorted(POLICIES)}")
         params = policy_params(policy)
         common: dict[str, Any] = {}
-        for name, expected in (("budget", int), ("compression_ratio", float), ("interval", int)):
+        for name, expected in (("budget", int), ("compression_ratio", float), ("interval", int),
+                               ("layer_groups", int)):
             value = data.pop(name, None)
             common[name] = None if value is None else _check_type(name, value, expected)
         unknown = sorted(k for k in data if k not in params)
@@ -121,14 +127,21 @@ class KVCompressConfig:
             data = data[CONFIG_KEY]
         return cls.from_dict(data)
 
-    def merged(self, overrides: Mapping[str, Any]) -> KVCompressConfig:
+    def merged(self, overrides: Mapping[str, Any], startup: bool = False) -> KVCompressConfig:
         """This config with `overrides` applied (e.g. a request's extra_args).
 
         Switching policy drops the old policy's parameters (switching to
         `none` drops everything); giving `budget` drops an inherited
-        `compression_ratio` and vice versa.
+        `compression_ratio` and vice versa. Engine fields carry over, and only
+        `startup` overrides (CLI flags over a recipe) may change them.
         """
         overrides = dict(overrides)
+        engine = {name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None}
+        for name in ENGINE_FIELDS:
+            if name in overrides and overrides[name] != getattr(self, name):
+                if not startup:
+                    raise _fail(name, "an engine setting, fixed at startup; a request cannot change it")
+                engine[name] = overrides[name]
         base = self.to_dict()
         policy = overrides.get("policy", self.policy)
         if policy == "none":
@@ -139,11 +152,11 @@ class KVCompressConfig:
             base.pop("compression_ratio", None)
         if "compression_ratio" in overrides:
             base.pop("budget", None)
-        return KVCompressConfig.from_dict({**base, **overrides})
+        return KVCompressConfig.from_dict({**base, **overrides, **engine})
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy}
-        for name in ("budget", "compression_ratio", "interval"):
+        for name in ("budget", "compression_ratio", "interval", "layer_groups"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         out.update(self.params)
@@ -155,6 +168,15 @@ class KVCompressConfig:
         policy = self.make_policy()  # runs the policy's own field checks
         if self.interval is not None and self.interval < 1:
             raise _fail("interval", f"must be >= 1 token, got {self.interval}")
+        if self.layer_groups is not None and self.layer_groups < 1:
+            raise _fail("layer_groups", f"must be >= 1, got {self.layer_groups}")
+        if policy.per_layer_budgets and self.num_layer_groups == 1:
+            raise _fail(
+                "layer_groups",
+                f"policy {self.policy!r} gives layers different budgets, which frees memory only "
+                "with per-layer KV cache groups: start the engine with --kv-compress-layer-groups "
+                "set to the number of layers (one group each) or a divisor of it (tiers)",
+            )
         if not self.enabled:
             if self.budget is not None or self.compression_ratio is not None:
                 raise _fail("policy", "a budget or compression_ratio needs a policy other than 'none'")
@@ -180,6 +202,10 @@ class KVCompressConfig:
     @property
     def enabled(self) -> bool:
         return self.policy != "none"
+
+    @property
+    def num_layer_groups(self) -> int:
+        return self.layer_groups or 1
 
     def make_policy(self) -> Policy:
         try:

@@ -12,7 +12,7 @@ vLLM's `num_computed_tokens`); *physical* counts the cache slots it holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import KVCompressConfig
 from .policies import Policy
@@ -22,46 +22,79 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def layer_groups(num_layers: int, num_groups: int) -> list[int]:
+    """KV cache group of each layer: contiguous tiers of equal size."""
+    if num_groups < 1 or num_layers % num_groups:
+        raise ValueError(
+            f"kv_compress.layer_groups: {num_groups} does not divide the model's {num_layers} layers; "
+            f"valid values: {[g for g in range(1, num_layers + 1) if num_layers % g == 0]}"
+        )
+    size = num_layers // num_groups
+    return [layer // size for layer in range(num_layers)]
+
+
 @dataclass
 class RequestState:
-    """One request's compression state. Reset when its KV cache is dropped."""
+    """One request's compression state. Reset when its KV cache is dropped.
+
+    Lengths are per KV cache group (one group unless the engine splits the
+    layers, see `layer_groups`): groups whose layers keep different budgets
+    hold different physical lengths.
+    """
 
     config: KVCompressConfig
     policy: Policy
     prompt_len: int
-    budget: int | None = None  # None: compression off
-    num_evicted: int = 0
+    budgets: tuple[int, ...] | None = None  # per group; None: compression off
+    num_evicted: list[int] = field(default_factory=lambda: [0])  # per group
     num_compressions: int = 0
     prefill_checked: bool = False
 
     @classmethod
-    def create(cls, config: KVCompressConfig, prompt_len: int) -> RequestState:
+    def create(cls, config: KVCompressConfig, prompt_len: int, group_of_layer: list[int] | None = None) -> RequestState:
+        """`group_of_layer`: the engine's layer -> KV cache group map (default: one group)."""
+        group_of_layer = group_of_layer or [0]
+        num_groups = max(group_of_layer) + 1
         policy = config.make_policy()
-        budget = config.resolve_budget(prompt_len, policy.min_budget()) if config.enabled else None
-        return cls(config=config, policy=policy, prompt_len=prompt_len, budget=budget)
+        budgets = None
+        if config.enabled:
+            budget = config.resolve_budget(prompt_len, policy.min_budget())
+            per_layer = policy.layer_budgets(budget, len(group_of_layer), prompt_len)
+            # A group's layers share one block table, so they keep its largest budget.
+            budgets = tuple(max(b for b, g in zip(per_layer, group_of_layer) if g == group)
+                            for group in range(num_groups))
+        return cls(config=config, policy=policy, prompt_len=prompt_len, budgets=budgets,
+                   num_evicted=[0] * num_groups)
 
-    def physical(self, logical_len: int) -> int:
-        return logical_len - self.num_evicted
+    @property
+    def budget(self) -> int | None:
+        """The largest group budget (the only one, unless budgets differ by layer)."""
+        return None if self.budgets is None else max(self.budgets)
 
-    def next_compression(self, logical_len: int, interval: int) -> int | None:
-        """Physical length to compress to before the next token is written.
+    def physical(self, logical_len: int) -> tuple[int, ...]:
+        return tuple(logical_len - e for e in self.num_evicted)
+
+    def next_compression(self, logical_len: int, interval: int) -> tuple[int, ...] | None:
+        """Physical length per group to compress to before the next token is written.
 
         `logical_len` is the number of tokens whose KV is in the cache. Called
         once per scheduling step; returns None when nothing is to be evicted.
         """
-        if self.budget is None:
+        if self.budgets is None:
             return None
         physical = self.physical(logical_len)
+        over = [p - b for p, b in zip(physical, self.budgets)]
+        targets = tuple(min(p, b) for p, b in zip(physical, self.budgets))
         if logical_len < self.prompt_len:
             # Still prefilling: only a streamed prompt evicts, at chunk ends.
             chunk = self.policy.prompt_chunk_size()
-            return self.budget if chunk and physical >= self.budget + chunk else None
+            return targets if chunk and max(over) >= chunk else None
         if not self.prefill_checked:
             # Prefill just ended: every policy compresses an over-budget prompt.
             self.prefill_checked = True
-            return self.budget if physical > self.budget else None
-        if self.policy.rolling and physical >= self.budget + interval:
-            return self.budget
+            return targets if max(over) > 0 else None
+        if self.policy.rolling and max(over) >= interval:
+            return targets
         return None
 
     def prefill_cap(self, logical_len: int) -> int | None:
@@ -70,17 +103,15 @@ class RequestState:
         A streamed prompt's chunk must end where its next eviction is due, so
         that every run (any batch, any chunking) evicts at the same tokens.
         """
-        chunk = self.policy.prompt_chunk_size() if self.budget is not None else 0
+        chunk = self.policy.prompt_chunk_size() if self.budgets is not None else 0
         if not chunk or logical_len >= self.prompt_len:
             return None
-        return max(self.budget + chunk - self.physical(logical_len), 0)
+        return max(min(b + chunk - p for p, b in zip(self.physical(logical_len), self.budgets)), 0)
 
-    def commit(self, logical_len: int, new_physical: int) -> int:
-        """Record a compression; return the number of tokens evicted."""
-        evicted = self.physical(logical_len) - new_physical
-        self.num_evicted += evicted
+    def commit(self, logical_len: int, targets: tuple[int, ...]) -> None:
+        """Record a compression to these physical lengths."""
+        self.num_evicted = [logical_len - t for t in targets]
         self.num_compressions += 1
-        return evicted
 
     def interval(self, block_size: int) -> int:
         return self.config.interval or block_size

@@ -17,7 +17,7 @@ import torch
 
 from .compression import RequestCompression
 from .config import KVCompressConfig
-from .planner import RequestState
+from .planner import RequestState, layer_groups
 
 
 class ReferenceDecoder:
@@ -97,7 +97,9 @@ class ReferenceDecoder:
         """
         config = config or KVCompressConfig()
         cache = self._empty_cache()
-        plan = RequestState.create(config, len(prompt))
+        # The engine's KV cache groups: a group's layers share one length.
+        group_of_layer = layer_groups(self.num_layers, config.num_layer_groups)
+        plan = RequestState.create(config, len(prompt), group_of_layer)
         state = None
         if config.enabled:
             state = RequestCompression(config, len(prompt), self.num_layers, self.num_kv_heads, self.num_q_heads)
@@ -105,18 +107,18 @@ class ReferenceDecoder:
         interval = plan.interval(block_size)
 
         def compress_if_due(logical: int) -> None:
-            target = plan.next_compression(logical, interval)
-            if target is None:
+            targets = plan.next_compression(logical, interval)
+            if targets is None:
                 return
             for layer in range(self.num_layers):
-                keep = state.select(layer, target)
+                keep = state.select(layer, targets[group_of_layer[layer]])
                 keys, values = cache[layer]
                 idx = keep.unsqueeze(-1).expand(-1, -1, self.head_dim)
                 cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
                 state.compact(layer, keep)
             state.finish_compaction()
-            plan.commit(logical, target)
-            lengths.append(target)
+            plan.commit(logical, targets)
+            lengths.append(targets[0] if len(targets) == 1 else targets)
 
         # The prompt in the chunks the planner allows (one chunk unless the
         # policy streams the prompt), each preceded by any eviction due.

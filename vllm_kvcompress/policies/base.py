@@ -50,9 +50,11 @@ class Policy:
     # True: evict again during decoding whenever the cache outgrows the budget
     # by `interval` tokens. False: compress once, at the end of prefill.
     rolling: ClassVar[bool] = False
-    # False: scores depend on positions alone, the same in every layer, so one
+    # True: scores depend on positions alone, the same in every layer, so one
     # selection serves all layers (and every layer keeps the same tokens).
-    per_layer: ClassVar[bool] = True
+    same_selection_in_every_layer: ClassVar[bool] = False
+    # True: `layer_budgets` differ by layer (needs per-layer KV cache groups).
+    per_layer_budgets: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
@@ -64,6 +66,10 @@ class Policy:
     def min_budget(self) -> int:
         """Smallest budget that still holds every protected token."""
         return 1
+
+    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int) -> list[int]:
+        """Tokens each layer keeps, given the request's (uniform) budget."""
+        return [budget] * num_layers
 
     def prompt_chunk_size(self) -> int:
         """Prompt tokens prefilled between evictions; 0: the whole prompt first.

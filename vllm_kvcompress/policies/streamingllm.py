@@ -12,7 +12,7 @@ from .base import Observation, Policy, register_policy
 class StreamingLLM(Policy):
     name = "streamingllm"
     rolling = True
-    per_layer = False
+    same_selection_in_every_layer = True
 
     sink_tokens: int = field(default=4, metadata={"help": "first tokens always kept (attention sinks)"})
     prompt_chunk: int = field(default=0, metadata={

@@ -15,6 +15,7 @@ from typing import Any
 from ..config import (
     CONFIG_KEY, FIELD_ALIASES, KVCompressConfig, KVCompressConfigError, all_policy_params, request_overrides,
 )
+from ..planner import layer_groups
 from ..policies import POLICIES
 from . import metrics
 
@@ -28,6 +29,9 @@ _COMMON_OPTIONS = {
     "budget": ("budget", int, "tokens kept per (layer, KV head), protected tokens included"),
     "ratio": ("compression_ratio", float, "fraction of the prompt removed, in [0, 1) (kvpress convention)"),
     "interval": ("interval", int, "rolling policies evict again after this many new tokens (default: one KV block)"),
+    "layer-groups": ("layer_groups", int, "KV cache groups the layers are split into, each with its own block "
+                     "table (the number of layers, or a divisor: contiguous tiers); needed by per-layer budgets "
+                     "(pyramidkv) to free memory per layer (default: 1)"),
 }
 
 
@@ -98,7 +102,7 @@ def config_from_options(values: dict[str, Any]) -> dict[str, Any] | None:
         base = KVCompressConfig()
     if isinstance(policy, str):
         overrides = {"policy": policy, **overrides}
-    return (base.merged(overrides) if overrides else base).to_dict()
+    return (base.merged(overrides, startup=True) if overrides else base).to_dict()
 
 
 def wrap_add_cli_args(original):
@@ -203,6 +207,11 @@ def check_model(vllm_config) -> None:
         raise _refuse("a sliding-window model (its own eviction of old blocks)")
     if vllm_config.use_v2_model_runner:
         raise _refuse("Model Runner V2 (the hooks target the V1 runner; unset VLLM_USE_V2_MODEL_RUNNER)")
+    config = KVCompressConfig.from_dict(vllm_config.additional_config[CONFIG_KEY])
+    try:
+        layer_groups(model.get_num_layers(vllm_config.parallel_config), config.num_layer_groups)
+    except ValueError as e:
+        raise KVCompressConfigError(str(e)) from None
 
 
 def wrap_create_engine_config(original):

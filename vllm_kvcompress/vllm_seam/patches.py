@@ -31,7 +31,7 @@ VLLM_VERSION = "0.32.0"  # the version this seam was written and tested against
 @dataclass(frozen=True)
 class Patch:
     module: str
-    owner: str  # class name inside module
+    owner: str  # class name inside module ("" for a module-level function)
     attr: str
     make: str  # "seam_module.function": original -> replacement (imported when applied)
     why: str
@@ -60,6 +60,10 @@ PATCHES = [
           "compact evicted KV and truncate block tables before new block ids are appended"),
     Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs", "worker.wrap_prepare_inputs",
           "physical slot mapping and seq_lens; positions (RoPE) stay logical"),
+    Patch("vllm.v1.core.kv_cache_utils", "", "get_kv_cache_groups", "groups.wrap_get_kv_cache_groups",
+          "split the layers into --kv-compress-layer-groups KV cache groups (own block table each)"),
+    Patch("vllm.v1.worker.utils", "AttentionGroup", "build_metadata", "worker.wrap_build_metadata",
+          "each KV cache group's seq_lens follow that group's physical length"),
     Patch("vllm.v1.engine.core", "EngineCore", "kv_compress_stats", "scheduler.make_engine_stats",
           "a utility method so LLM/serve clients can read the scheduler's compression stats"),
 ]
@@ -87,7 +91,8 @@ def apply(patches: list[Patch]) -> None:
             continue
         seam_module, function = p.make.rsplit(".", 1)
         make = getattr(importlib.import_module(f"{__package__}.{seam_module}"), function)
-        owner = getattr(importlib.import_module(p.module), p.owner)
+        module = importlib.import_module(p.module)
+        owner = getattr(module, p.owner) if p.owner else module
         raw = owner.__dict__.get(p.attr)
         if p.kind == "staticmethod":
             new = staticmethod(make(raw.__func__))
@@ -122,4 +127,4 @@ def apply_keyword_support() -> None:
 
 def describe() -> str:
     """One line per patch, for logs and the README."""
-    return "\n".join(f"{p.module}.{p.owner}.{p.attr}: {p.why}" for p in PATCHES)
+    return "\n".join(f"{'.'.join(filter(None, (p.module, p.owner, p.attr)))}: {p.why}" for p in PATCHES)

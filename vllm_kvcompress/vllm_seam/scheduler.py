@@ -18,6 +18,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..planner import RequestState, cdiv
 from ..accounting import PLAN_ATTR, CompressionStats, StepPlan
+from .groups import group_of_layer
 from .metrics import RatioHistogram, SnapshotWriter
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
@@ -29,36 +30,50 @@ class KVCompressScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        groups = self.kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise KVCompressConfigError(
-                f"kv_compress supports models with one KV cache group, this one has {len(groups)}"
-            )
         self.kvc_config = KVCompressConfig.from_dict(self.vllm_config.additional_config[CONFIG_KEY])
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) != self.kvc_config.num_layer_groups:
+            raise KVCompressConfigError(
+                f"kv_compress expects {self.kvc_config.num_layer_groups} KV cache group(s), "
+                f"this model has {len(groups)}"
+            )
+        self.kvc_group_of_layer = group_of_layer(groups)
         self.kvc_block_size = groups[0].kv_cache_spec.block_size
         self.kvc_states: dict[str, RequestState] = {}
         self.kvc_stats = CompressionStats(total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
         self._kvc_started: dict[str, tuple[int, dict]] = {}
         self._kvc_snapshot = SnapshotWriter("scheduler")
         self._kvc_ratios = RatioHistogram()  # finished compressed requests, for /metrics
-        logger.info("kv_compress scheduler ready (pid %d): %s, block %d",
-                    os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size)
-        # Allocation must count physical slots. Wrapping this instance's method
-        # (not the class) keeps other engines in the process untouched.
-        allocate = self.kv_cache_manager.allocate_slots
+        self._kvc_managers = self.kv_cache_manager.coordinator.single_type_managers
+        for group, manager in enumerate(self._kvc_managers):
+            self._count_physical_slots(manager, group)
+        logger.info("kv_compress scheduler ready (pid %d): %s, block %d, %d KV cache group(s)",
+                    os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size, len(groups))
 
-        def allocate_physical(request, *args, **kwargs):
-            state = self.kvc_states.get(request.request_id)
-            if state is None or state.num_evicted == 0:
-                return allocate(request, *args, **kwargs)
-            logical = request.num_computed_tokens
-            request.num_computed_tokens = logical - state.num_evicted
-            try:
-                return allocate(request, *args, **kwargs)
-            finally:
-                request.num_computed_tokens = logical
+    def _count_physical_slots(self, manager, group: int) -> None:
+        """Make this group's block allocation count physical, not logical, tokens.
 
-        self.kv_cache_manager.allocate_slots = allocate_physical
+        Wraps the instance's methods (not the class), so other engines in the
+        process stay untouched.
+        """
+        num_blocks, allocate = manager.get_num_blocks_to_allocate, manager.allocate_new_blocks
+
+        def evicted(request_id: str) -> int:
+            state = self.kvc_states.get(request_id)
+            return 0 if state is None else state.num_evicted[group]
+
+        def get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                       num_local_computed_tokens, num_tokens_main_model, **kwargs):
+            e = evicted(request_id)
+            return num_blocks(request_id, num_tokens - e, new_computed_blocks, total_computed_tokens,
+                              num_local_computed_tokens, num_tokens_main_model - e, **kwargs)
+
+        def allocate_new_blocks(request_id, num_tokens, num_tokens_main_model):
+            e = evicted(request_id)
+            return allocate(request_id, num_tokens - e, num_tokens_main_model - e)
+
+        manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
+        manager.allocate_new_blocks = allocate_new_blocks
 
     # ---------------------------------------------------------------- steps
 
@@ -71,31 +86,33 @@ class KVCompressScheduler(Scheduler):
             config = self.kvc_config.merged(overrides) if overrides else self.kvc_config
             # A resumed (preempted) request re-prefills its outputs too.
             prefill_len = max(request.num_prompt_tokens, request.num_tokens - 1)
-            state = RequestState.create(config, prefill_len)
+            state = RequestState.create(config, prefill_len, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
             self._kvc_started[request.request_id] = (prefill_len, config.to_dict())
             self.kvc_stats.start(request.request_id, prefill_len, config.policy)
         return state
 
-    def _plan_compressions(self) -> list[tuple[str, int, int]]:
-        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+    def _plan_compressions(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
         pool = self.kv_cache_manager.block_pool
         ops = []
         for request in self.running:
             state = self._request_state(request)
             logical = request.num_computed_tokens
-            target = state.next_compression(logical, state.interval(self.kvc_block_size))
-            if target is None:
+            targets = state.next_compression(logical, state.interval(self.kvc_block_size))
+            if targets is None:
                 continue
             old = state.physical(logical)
-            blocks = manager.req_to_blocks[request.request_id]
-            keep_blocks = cdiv(target, self.kvc_block_size)
-            tail = blocks[keep_blocks:]
-            del blocks[keep_blocks:]
-            pool.free_blocks(reversed(tail))
-            state.commit(logical, target)
-            self.kvc_stats.compressed(request.request_id, old, target, len(tail), keep_blocks)
-            ops.append((request.request_id, old, target))
+            freed = held = 0
+            for manager, target in zip(self._kvc_managers, targets):
+                blocks = manager.req_to_blocks[request.request_id]
+                keep_blocks = cdiv(target, self.kvc_block_size)
+                tail = blocks[keep_blocks:]
+                del blocks[keep_blocks:]
+                pool.free_blocks(reversed(tail))
+                freed, held = freed + len(tail), held + keep_blocks
+            state.commit(logical, targets)
+            self.kvc_stats.compressed(request.request_id, old, targets, freed, held)
+            ops.append((request.request_id, old, targets))
         return ops
 
     def schedule(self, *args, **kwargs):
@@ -111,7 +128,7 @@ class KVCompressScheduler(Scheduler):
         started = {rid: v for rid, v in self._kvc_started.items() if rid in self.kvc_states}
         self._kvc_started.clear()
         evicted = {
-            rid: self.kvc_states[rid].num_evicted
+            rid: tuple(self.kvc_states[rid].num_evicted)
             for rid in output.num_scheduled_tokens
             if rid in self.kvc_states
         }
@@ -136,8 +153,7 @@ class KVCompressScheduler(Scheduler):
 
     def _free_request_blocks(self, request) -> None:
         # Preemption and finish both end here: the request's cache is gone.
-        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
-        held = len(manager.req_to_blocks.get(request.request_id, ()))
+        held = sum(len(m.req_to_blocks.get(request.request_id, ())) for m in self._kvc_managers)
         super()._free_request_blocks(request)
         self.kvc_states.pop(request.request_id, None)
         self._kvc_started.pop(request.request_id, None)

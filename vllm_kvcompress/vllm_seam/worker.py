@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 
 import numpy as np
@@ -24,6 +23,7 @@ from ..config import CONFIG_KEY, KVCompressConfig
 from ..kernels import get_ops
 from ..planner import cdiv
 from ..accounting import PLAN_ATTR, StepPlan
+from .groups import group_of_layer, layer_index
 from .metrics import SnapshotWriter
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
@@ -31,19 +31,13 @@ logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 QUERY_CHUNK = 512  # observed queries scored at once (bounds the [Hq, n, T] logits)
 
 
-def layer_index(layer_name: str) -> int:
-    match = re.search(r"\.(\d+)\.", layer_name)
-    if match is None:
-        raise ValueError(f"kv_compress: cannot find a layer index in {layer_name!r}")
-    return int(match.group(1))
-
-
 class StepObservation:
     """Which queries of the running step feed which request's scores."""
 
     def __init__(self, worker: WorkerCompression) -> None:
         self.worker = worker
-        # (state, batch token indices, logical positions, physical positions, seq_len, block ids)
+        # (state, batch token indices, logical positions, and per KV cache
+        # group: physical positions, seq_len, block ids)
         self.items: list[tuple] = []
         self.layers_seen = 0
 
@@ -51,7 +45,9 @@ class StepObservation:
         start = time.perf_counter()
         worker = self.worker
         layer = worker.layer_of[layer_name]
-        for state, token_idx, q_log, q_phys, seq_len, block_ids in self.items:
+        group = worker.group_of_layer[layer]
+        for state, token_idx, q_log, q_phys_g, seq_len_g, block_ids_g in self.items:
+            q_phys, seq_len, block_ids = q_phys_g[group], seq_len_g[group], block_ids_g[group]
             if worker.fused_scores and state.plain_softmax_sums:
                 # One Triton pass over the paged keys: softmax sums per slot.
                 keys = worker.layout.views(kv_cache)[0]
@@ -149,13 +145,16 @@ class WorkerCompression:
         self.num_q_heads = first.num_heads
         self.scale = first.impl.scale
         groups = runner.kv_cache_config.kv_cache_groups
+        self.group_of_layer = group_of_layer(groups)
+        self.num_groups = len(groups)
         self.block_size = groups[0].kv_cache_spec.block_size
-        table = runner.input_batch.block_table[0]
-        if table.block_size != self.block_size:
-            raise RuntimeError(
-                f"kv_compress: kernel block size {table.block_size} differs from the KV manager's "
-                f"{self.block_size}; choose --block-size as a multiple of 32 that the backend uses as is"
-            )
+        for g in range(self.num_groups):
+            table = runner.input_batch.block_table[g]
+            if table.block_size != self.block_size:
+                raise RuntimeError(
+                    f"kv_compress: kernel block size {table.block_size} differs from the KV manager's "
+                    f"{self.block_size}; choose --block-size as a multiple of 32 that the backend uses as is"
+                )
         # Dispatch, once: the cache layout by attention backend, the kernel
         # ops by device (Triton on CUDA, torch elsewhere).
         backend = first.attn_backend.get_name()
@@ -171,7 +170,7 @@ class WorkerCompression:
         # Triton's fused window scores read the paged keys once per request.
         self.fused_scores = self.ops.backend == "triton" and isinstance(self.layout, PagedLayout)
         self.states: dict[str, RequestCompression] = {}
-        self.evicted: dict[str, int] = {}
+        self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group
         self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
         self.snapshot = SnapshotWriter("worker")
         logger.info("kv_compress worker ready (pid %d): %s, %d layers, block %d, %s cache, %s ops",
@@ -185,6 +184,7 @@ class WorkerCompression:
 
     def before_update_states(self, so) -> None:
         set_active(None)
+        set_group_seq_len_deltas(None)
         plan: StepPlan = getattr(so, PLAN_ATTR, None) or StepPlan()
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
@@ -203,30 +203,33 @@ class WorkerCompression:
             self.snapshot.write(self.seconds)
         self.evicted = plan.evicted
 
-    def compact(self, rid: str, old_len: int, new_len: int) -> None:
+    def compact(self, rid: str, old_lens: tuple[int, ...], new_lens: tuple[int, ...]) -> None:
+        """Compact every layer to its KV cache group's new length; truncate each group's table."""
         state = self.states[rid]
-        block_ids = self.runner.requests[rid].block_ids[0]
-        ids = torch.tensor(block_ids, dtype=torch.int64)
-        moves = planned_for = None
+        group_block_ids = self.runner.requests[rid].block_ids
+        ids = [torch.tensor(b, dtype=torch.int64) for b in group_block_ids]
+        moves, planned_for, planned_group = None, None, None
         for layer in range(self.num_layers):
-            if state.num_tokens(layer) != old_len:
+            g = self.group_of_layer[layer]
+            if state.num_tokens(layer) != old_lens[g]:
                 raise RuntimeError(
                     f"kv_compress: request {rid} layer {layer} tracks "
-                    f"{state.num_tokens(layer)} tokens, scheduler says {old_len}"
+                    f"{state.num_tokens(layer)} tokens, scheduler says {old_lens[g]}"
                 )
-            keep_idx = state.select(layer, new_len)
-            if keep_idx is not planned_for:  # layers that keep alike share one plan
-                moves, planned_for = self.layout.plan_moves(ids, keep_idx, self.block_size), keep_idx
+            keep_idx = state.select(layer, new_lens[g])
+            if keep_idx is not planned_for or g != planned_group:  # layers that keep alike share a plan
+                moves = self.layout.plan_moves(ids[g], keep_idx, self.block_size)
+                planned_for, planned_group = keep_idx, g
             self.layout.move(self.kv_cache(layer), moves)
             state.compact(layer, keep_idx)
         state.finish_compaction()
-        keep_blocks = cdiv(new_len, self.block_size)
-        del block_ids[keep_blocks:]
         row = self.runner.input_batch.req_id_to_index.get(rid)
-        if row is not None:
-            table = self.runner.input_batch.block_table[0]
-            table.clear_row(row)
-            table.add_row(block_ids, row)
+        for g, new_len in enumerate(new_lens):
+            del group_block_ids[g][cdiv(new_len, self.block_size):]
+            if row is not None:
+                table = self.runner.input_batch.block_table[g]
+                table.clear_row(row)
+                table.add_row(group_block_ids[g], row)
 
     # ------------------------------------------------------------ _prepare_inputs
 
@@ -237,16 +240,25 @@ class WorkerCompression:
         req_ids = batch.req_ids[:num_reqs]
         total = int(num_scheduled_tokens.sum())
         starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
-        offsets = np.array([self.evicted.get(rid, 0) for rid in req_ids], dtype=np.int64)
+        none = (0,) * self.num_groups
+        offsets = np.array([self.evicted.get(rid, none) for rid in req_ids], dtype=np.int64).reshape(num_reqs, -1)
         positions = runner.positions[:total]
-        physical = positions
+        physical = [positions] * self.num_groups
         if offsets.any():
-            per_token = torch.from_numpy(np.repeat(offsets, num_scheduled_tokens))
-            physical = positions - per_token.to(positions.device)
-            batch.block_table.compute_slot_mapping(num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], physical)
-            off = torch.from_numpy(offsets).to(torch.int32)
+            for g in range(self.num_groups):
+                if offsets[:, g].any():
+                    per_token = torch.from_numpy(np.repeat(offsets[:, g], num_scheduled_tokens))
+                    physical[g] = positions - per_token.to(positions.device)
+                    batch.block_table[g].compute_slot_mapping(
+                        num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], physical[g])
+            # seq_lens are shared by all groups' metadata: group 0's lengths here,
+            # the other groups' differences applied when their metadata is built.
+            off = torch.from_numpy(offsets[:, 0]).to(torch.int32)
             runner.seq_lens[:num_reqs] -= off.to(runner.seq_lens.device, runner.seq_lens.dtype)
             runner.optimistic_seq_lens_cpu[:num_reqs] -= off.to(runner.optimistic_seq_lens_cpu.dtype)
+            deltas = {g: torch.from_numpy(offsets[:, g] - offsets[:, 0]).to(torch.int32)
+                      for g in range(1, self.num_groups) if (offsets[:, g] != offsets[:, 0]).any()}
+            set_group_seq_len_deltas(deltas or None)
         step = StepObservation(self)
         for i, rid in enumerate(req_ids):
             state = self.states.get(rid)
@@ -258,9 +270,10 @@ class WorkerCompression:
             mask = state.observed(q_log)
             if mask.any():
                 token_idx = torch.arange(sl.start, sl.stop)[mask]
-                seq_len = int(physical[sl.stop - 1]) + 1
-                ids = torch.tensor(runner.requests[rid].block_ids[0], dtype=torch.int64)
-                step.items.append((state, token_idx, q_log[mask], physical[sl].cpu()[mask], seq_len, ids))
+                q_phys = [p[sl].cpu()[mask] for p in physical]
+                seq_lens = [int(p[sl.stop - 1]) + 1 for p in physical]
+                ids = [torch.tensor(b, dtype=torch.int64) for b in runner.requests[rid].block_ids]
+                step.items.append((state, token_idx, q_log[mask], q_phys, seq_lens, ids))
         set_active(step if step.items else None)
 
     # ------------------------------------------------------------ stats
@@ -274,6 +287,37 @@ _active_step: StepObservation | None = None
 def set_active(step: StepObservation | None) -> None:
     global _active_step
     _active_step = step
+
+
+# Per KV cache group (other than 0): how much shorter than group 0 each
+# scheduled request's physical length is, for this step's metadata.
+_group_seq_len_deltas: dict[int, torch.Tensor] | None = None
+
+
+def set_group_seq_len_deltas(deltas: dict[int, torch.Tensor] | None) -> None:
+    global _group_seq_len_deltas
+    _group_seq_len_deltas = deltas
+
+
+def wrap_build_metadata(original):
+    def build_metadata(self, common_attn_metadata, *args, **kwargs):
+        deltas = _group_seq_len_deltas
+        delta = None if deltas is None else deltas.get(self.kv_cache_group_id)
+        if delta is not None:
+            cm = common_attn_metadata
+            if cm.num_reqs != len(delta):
+                raise RuntimeError(f"kv_compress: metadata for {cm.num_reqs} requests, step planned {len(delta)}")
+            seq_lens = cm.seq_lens.clone()
+            seq_lens[: len(delta)] -= delta.to(seq_lens.device, seq_lens.dtype)
+            upper = cm.seq_lens_cpu_upper_bound
+            if upper is not None:
+                upper = upper.clone()
+                upper[: len(delta)] -= delta.to(upper.dtype)
+            common_attn_metadata = cm.replace(seq_lens=seq_lens, seq_lens_cpu_upper_bound=upper,
+                                              _num_computed_tokens_cache=None)
+        return original(self, common_attn_metadata, *args, **kwargs)
+
+    return build_metadata
 
 
 def active_observation() -> StepObservation | None:

@@ -1,0 +1,95 @@
+"""Per-layer KV cache groups: each layer (or tier of layers) frees its own blocks.
+
+The tiny model has 4 layers. One engine splits them into 4 KV cache groups
+(one per layer), another into 2 tiers; requests pick their policy through
+extra_args. PyramidKV gives every layer its own budget; the reference decoder
+applies the same per-group lengths, so greedy tokens must match.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import BLOCK_SIZE, engine_kwargs, random_prompts
+from vllm_kvcompress.config import KVCompressConfig
+from vllm_kvcompress.planner import RequestState, cdiv, layer_groups
+
+NEW_TOKENS = 36
+NUM_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from vllm_kvcompress.reference import ReferenceDecoder
+
+    return ReferenceDecoder(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def per_layer(start_engine, tiny_model):
+    return start_engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS))
+
+
+@pytest.fixture(scope="module")
+def tiers(start_engine, tiny_model):
+    return start_engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=2))
+
+
+def check_against_reference(engine, reference, groups, prompts, configs):
+    got = engine.generate(prompts, NEW_TOKENS, configs)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict({**config, "layer_groups": groups}) if config else None
+        want = reference.generate(prompt, NEW_TOKENS, cfg, block_size=BLOCK_SIZE)["tokens"]
+        assert tokens == want, f"{config} prompt {len(prompt)}"
+
+
+def test_kv_cache_groups_are_per_layer(per_layer, tiers):
+    assert len(per_layer.llm.llm_engine.vllm_config.additional_config) > 0
+    assert per_layer.stats()["total_blocks"] > tiers.stats()["total_blocks"]  # smaller blocks, more of them
+
+
+def test_pyramidkv_and_uniform_policies_match_reference_per_layer(per_layer, reference):
+    prompts = random_prompts((300, 230, 120, 260, 180), seed=41)
+    configs = [
+        {"policy": "pyramidkv", "budget": 96, "window": 16},
+        {"policy": "pyramidkv", "budget": 64, "window": 8, "beta": 4},
+        None,
+        {"policy": "snapkv", "budget": 64, "window": 16},
+        {"policy": "h2o", "budget": 64},
+    ]
+    check_against_reference(per_layer, reference, NUM_LAYERS, prompts, configs)
+
+
+def test_pyramidkv_matches_reference_with_tiers(tiers, reference):
+    prompts = random_prompts((280, 150, 210), seed=43)
+    configs = [{"policy": "pyramidkv", "budget": 80, "window": 16}, None,
+               {"policy": "streamingllm", "budget": 48}]
+    check_against_reference(tiers, reference, 2, prompts, configs)
+
+
+def test_each_layer_holds_its_own_blocks(per_layer):
+    """A pyramid request holds sum over layers of cdiv(budget_l, block) blocks of one
+    layer each, where one shared table would hold num_layers * cdiv(max budget, block)."""
+    (prompt,) = random_prompts((600,), seed=47)
+    config = {"policy": "pyramidkv", "budget": 128, "window": 16}
+    per_layer.generate([prompt], 2, [config])  # compressed before the 2nd token is decoded
+    budgets = RequestState.create(KVCompressConfig.from_dict({**config, "layer_groups": NUM_LAYERS}),
+                                  600, layer_groups(NUM_LAYERS, NUM_LAYERS)).budgets
+    assert len(set(budgets)) == NUM_LAYERS and budgets[0] > budgets[-1]
+    finished = [r for r in per_layer.stats()["requests"].values() if r["finished"] and r["prefill_len"] == 600]
+    stats = finished[-1]
+    assert tuple(stats["tokens_kept_per_group"]) == budgets
+    # Each layer holds its budget plus the one decoded token, in its own blocks.
+    per_layer_blocks = sum(cdiv(b + 1, BLOCK_SIZE) for b in budgets)
+    assert stats["blocks_held"] == per_layer_blocks
+    assert per_layer_blocks < NUM_LAYERS * cdiv(max(budgets) + 1, BLOCK_SIZE)
+    assert per_layer.stats()["free_blocks"] == per_layer.stats()["total_blocks"]
+
+
+def test_layer_groups_must_divide_the_layers(tiny_model):
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_kvcompress  # noqa: F401
+
+    with pytest.raises(ValueError, match=r"layer_groups: 3 does not divide .* 4 layers; valid values: \[1, 2, 4\]"):
+        EngineArgs(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=3)).create_engine_config()
