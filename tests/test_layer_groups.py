@@ -60,6 +60,14 @@ def test_pyramidkv_and_uniform_policies_match_reference_per_layer(per_layer, ref
     check_against_reference(per_layer, reference, NUM_LAYERS, prompts, configs)
 
 
+def test_budget_above_need_equals_vanilla(per_layer):
+    prompts = random_prompts((120, 45), seed=49)
+    plain = per_layer.generate(prompts, NEW_TOKENS)
+    roomy = per_layer.generate(prompts, NEW_TOKENS, [{"policy": "pyramidkv", "budget": len(p), "window": 8}
+                                                     for p in prompts])
+    assert roomy == plain
+
+
 def test_pyramidkv_matches_reference_with_tiers(tiers, reference):
     prompts = random_prompts((280, 150, 210), seed=43)
     configs = [{"policy": "pyramidkv", "budget": 80, "window": 16}, None,
