@@ -47,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: policy:groups
     args = p.parse_args(argv)
-    if args.quick:
+    if args.quick and not args.one:
         args.num_requests, args.prompt_len, args.new_tokens = 4, 512, 16
     return args
 
@@ -127,8 +127,10 @@ def main() -> None:
     results = []
     started = time.time()
     for policy, groups in configs:
-        cmd = [sys.executable, __file__, "--one", f"{policy}:{groups}"] + [
-            a for a in sys.argv[1:] if not a.startswith("--out-dir")]
+        cmd = [sys.executable, __file__, "--one", f"{policy}:{groups}",
+               "--num-requests", str(args.num_requests), "--prompt-len", str(args.prompt_len),
+               "--new-tokens", str(args.new_tokens), "--budget", str(args.budget), "--window", str(args.window)]
+        cmd += ["--model", args.model] if args.model else []
         print(f"[{policy} layer_groups={groups}] running ...", flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
         line = next((l for l in out.stdout.splitlines() if l.startswith(MARKER)), None)

@@ -66,11 +66,6 @@ class RequestState:
         return cls(config=config, policy=policy, prompt_len=prompt_len, budgets=budgets,
                    num_evicted=[0] * num_groups)
 
-    @property
-    def budget(self) -> int | None:
-        """The largest group budget (the only one, unless budgets differ by layer)."""
-        return None if self.budgets is None else max(self.budgets)
-
     def physical(self, logical_len: int) -> tuple[int, ...]:
         return tuple(logical_len - e for e in self.num_evicted)
 
