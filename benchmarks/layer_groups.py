@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="4 requests x 512 + 16 (smoke test)")
     p.add_argument("--model", default=None)
     p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--report-only", type=Path, default=None, metavar="JSON",
+                   help="re-render the table from an earlier run's layer_groups.json")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: policy:groups
     args = p.parse_args(argv)
     if args.quick and not args.one:
@@ -113,14 +115,43 @@ def run_one(args) -> dict:
         blocks_held=held, kv_mib_held=held * (layers // groups) * layer_block_bytes / 2**20,
         full_kv_mib=-(-(args.prompt_len + args.new_tokens - 1) // BLOCK_SIZE) * layers * layer_block_bytes / 2**20,
         tokens_kept_per_group=finished[-1]["tokens_kept_per_group"],
-        total_blocks=stats["total_blocks"],
+        total_blocks=stats["total_blocks"], layers=layers, layer_block_bytes=layer_block_bytes,
+        new_tokens=args.new_tokens,
     )
+
+
+def single_table_mib(r: dict) -> float:
+    """What one shared block table would hold: every layer at the largest group's length."""
+    longest = max(r["tokens_kept_per_group"]) + r["new_tokens"] - 1
+    return -(-longest // BLOCK_SIZE) * r["layers"] * r["layer_block_bytes"] / 2**20
+
+
+def report(args, results: list[dict], header: list[str]) -> str:
+    base = results[0]
+    lines = header + [
+        "| policy | layer groups | KV blocks | steps | scheduler ms/step | forward ms/step | out tok/s "
+        "| KV MiB held/request | one shared table would hold | vs uniform snapkv, 1 table | vs full KV |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['policy']} | {r['layer_groups']} | {r['total_blocks']} | {r['steps']} | {r['schedule_ms']:.2f} "
+            f"| {r['execute_ms']:.1f} | {r['out_tok_per_s']:.1f} | {r['kv_mib_held']:.2f} "
+            f"| {single_table_mib(r):.2f} | {r['kv_mib_held'] / base['kv_mib_held']:.2f} "
+            f"| {r['kv_mib_held'] / r['full_kv_mib']:.3f} |")
+    lines += ["", "tokens kept per group (last request):", ""]
+    lines += [f"- {r['policy']} x {r['layer_groups']}: {r['tokens_kept_per_group']}" for r in results]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     args = parse_args()
     if args.one:
         print(MARKER + json.dumps(run_one(args)), flush=True)
+        return
+    if args.report_only:
+        data = json.loads(args.report_only.read_text())
+        print(report(args, data["results"], data["header"]))
         return
     tiers = [int(t) for t in args.tiers.split(",") if t]
     configs = [("snapkv", 1), ("snapkv", max(tiers))] + [("pyramidkv", g) for g in tiers]
@@ -138,29 +169,19 @@ def main() -> None:
             sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
             raise SystemExit(f"{policy}:{groups} failed")
         results.append(json.loads(line[len(MARKER):]))
-    base = results[0]
-    lines = [
+    header = [
         "# Per-layer KV cache groups: cost and memory", "",
         f"- command: `{' '.join([Path(sys.executable).name, 'benchmarks/layer_groups.py'] + sys.argv[1:])}`",
         f"- machine: {', '.join(f'{k} {v}' for k, v in machine_info().items())}",
         f"- {args.num_requests} requests x {args.prompt_len} prompt tokens + {args.new_tokens} new, "
         f"budget {args.budget} (mean per layer), window {args.window}; SmolLM2-135M fp32, block {BLOCK_SIZE}, "
         f"in-process engine core; {time.time() - started:.0f} s in all", "",
-        "| policy | layer groups | KV blocks | steps | scheduler ms/step | forward ms/step | out tok/s "
-        "| KV MiB held/request | vs single table | vs full KV |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results:
-        lines.append(
-            f"| {r['policy']} | {r['layer_groups']} | {r['total_blocks']} | {r['steps']} | {r['schedule_ms']:.2f} "
-            f"| {r['execute_ms']:.1f} | {r['out_tok_per_s']:.1f} | {r['kv_mib_held']:.2f} "
-            f"| {r['kv_mib_held'] / base['kv_mib_held']:.2f} | {r['kv_mib_held'] / r['full_kv_mib']:.3f} |")
-    lines += ["", "tokens kept per group (last request):", ""]
-    lines += [f"- {r['policy']} x {r['layer_groups']}: {r['tokens_kept_per_group']}" for r in results]
+    text = report(args, results, header)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "layer_groups.md").write_text("\n".join(lines) + "\n")
-    (args.out_dir / "layer_groups.json").write_text(json.dumps(results, indent=1))
-    print("\n".join(lines))
+    (args.out_dir / "layer_groups.md").write_text(text)
+    (args.out_dir / "layer_groups.json").write_text(json.dumps({"header": header, "results": results}, indent=1))
+    print(text)
 
 
 if __name__ == "__main__":

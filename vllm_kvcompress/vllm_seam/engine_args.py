@@ -184,6 +184,10 @@ def prepare_platform(args) -> None:
         return
     if not current_platform.is_cuda():
         raise _refuse(f"the {current_platform.device_name} platform (CPU and CUDA only)")
+    layer_groups = (args.additional_config or {}).get(CONFIG_KEY, {}).get("layer_groups") or 1
+    if layer_groups > 1:
+        raise _refuse("layer_groups > 1 on CUDA (FLASH_ATTN builds one group's metadata and reuses it "
+                      "for the others, which would give every group the same seq_lens; CPU only so far)")
     chosen = args.attention_backend or getattr(args.attention_config, "backend", None)
     name = getattr(chosen, "name", chosen)
     if name is None:

@@ -11,7 +11,10 @@ Subclasses that vLLM instantiates for us (not patches):
     installed through `scheduler_cls` only when compression is configured;
     overrides `schedule` (plan compressions first), `_reserve_prefill_lookahead`
     (end a streamed prompt's chunk at its next eviction) and
-    `_free_request_blocks` (where finish, abort and preemption drop the state).
+    `_free_request_blocks` (where finish, abort and preemption drop the state);
+    on its own instances only, wraps each KV cache group's
+    `SingleTypeKVCacheManager.get_num_blocks_to_allocate`/`allocate_new_blocks`
+    so that allocation counts that group's physical, not logical, tokens.
   - vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend/Impl ->
     attention.KVCompressCPUBackend/Impl, registered for CPU_ATTN on CPU;
     vllm.v1.attention.backends.flash_attn.FlashAttentionBackend/Impl ->

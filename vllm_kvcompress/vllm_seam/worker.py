@@ -313,7 +313,9 @@ def wrap_build_metadata(original):
             if upper is not None:
                 upper = upper.clone()
                 upper[: len(delta)] -= delta.to(upper.dtype)
+            longest = int(seq_lens[: len(delta)].max()) if len(delta) else 0
             common_attn_metadata = cm.replace(seq_lens=seq_lens, seq_lens_cpu_upper_bound=upper,
+                                              max_seq_len=max(cm.max_seq_len, longest),
                                               _num_computed_tokens_cache=None)
         return original(self, common_attn_metadata, *args, **kwargs)
 
