@@ -124,3 +124,22 @@ def test_streamed_prompt_never_holds_more_than_budget_plus_chunk(engine):
     assert stats["compressions"] >= cdiv(900 - budget - chunk, chunk) + 1
     assert stats["tokens_evicted"] >= 900 - budget
     assert engine.stats()["free_blocks"] == start
+
+
+def test_streamed_prompts_are_admitted_on_what_they_hold(engine):
+    """vLLM admits a request only when its whole prompt fits in the free blocks;
+    a streamed prompt is admitted on budget + chunk instead."""
+    core = engine.llm.llm_engine
+    scheduler = core.engine_core.engine_core.scheduler
+    start = engine.stats()["free_blocks"]
+    prompts = random_prompts((900,) * 5, seed=19)  # 29 blocks each, 39 usable
+    config = {"policy": "streamingllm", "budget": 64, "prompt_chunk": 64}
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"adm{i}", {"prompt_token_ids": prompt}, params(8, config))
+    core.step()
+    # Each holds 4 blocks; admitting on the whole prompt (29 blocks) would stop
+    # at 3, once fewer than 29 of the 39 blocks are free.
+    assert len(scheduler.running) == 5
+    while core.has_unfinished_requests():
+        core.step()
+    assert engine.stats()["free_blocks"] == start

@@ -103,6 +103,13 @@ class RequestState:
             return None
         return max(min(b + chunk - p for p, b in zip(self.physical(logical_len), self.budgets)), 0)
 
+    def max_physical(self, block_size: int) -> int | None:
+        """Most tokens a streamed prompt ever holds (None: not bounded before prefill ends)."""
+        chunk = self.policy.prompt_chunk_size() if self.budgets is not None else 0
+        if not chunk:
+            return None
+        return max(self.budgets) + max(chunk, self.interval(block_size))
+
     def commit(self, logical_len: int, targets: tuple[int, ...]) -> None:
         """Record a compression to these physical lengths."""
         self.num_evicted = [logical_len - t for t in targets]

@@ -65,8 +65,17 @@ class KVCompressScheduler(Scheduler):
         def get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                        num_local_computed_tokens, num_tokens_main_model, **kwargs):
             e = evicted(request_id)
-            return num_blocks(request_id, num_tokens - e, new_computed_blocks, total_computed_tokens,
-                              num_local_computed_tokens, num_tokens_main_model - e, **kwargs)
+            num_tokens, num_tokens_main_model = num_tokens - e, num_tokens_main_model - e
+            if kwargs.get("apply_admission_cap"):
+                # vLLM admits a request only if its whole prompt fits (as it
+                # caps sliding-window requests at their window): a streamed
+                # prompt never holds more than its cap.
+                state = self.kvc_states.get(request_id)
+                cap = None if state is None else state.max_physical(self.kvc_block_size)
+                if cap is not None:
+                    num_tokens, num_tokens_main_model = min(num_tokens, cap), min(num_tokens_main_model, cap)
+            return num_blocks(request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                              num_local_computed_tokens, num_tokens_main_model, **kwargs)
 
         def allocate_new_blocks(request_id, num_tokens, num_tokens_main_model):
             e = evicted(request_id)
