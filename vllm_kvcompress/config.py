@@ -24,6 +24,8 @@ from .policies import POLICIES, Policy
 CONFIG_KEY = "kv_compress"  # key inside vLLM's additional_config / extra_args
 COMMON_FIELDS = ("policy", "budget", "compression_ratio", "interval", "layer_groups")
 ENGINE_FIELDS = ("layer_groups",)  # fixed at startup: a request cannot change them
+# Common fields other than `policy`, with their types (None when not given).
+_OPTIONAL_FIELDS = {"budget": int, "compression_ratio": float, "interval": int, "layer_groups": int}
 
 
 # Short names accepted for fields (the CLI flag is --kv-compress-ratio).
@@ -98,8 +100,7 @@ class KVCompressConfig:
             raise _fail("policy", f"unknown policy {policy!r}; valid policies: {sorted(POLICIES)}")
         params = policy_params(policy)
         common: dict[str, Any] = {}
-        for name, expected in (("budget", int), ("compression_ratio", float), ("interval", int),
-                               ("layer_groups", int)):
+        for name, expected in _OPTIONAL_FIELDS.items():
             value = data.pop(name, None)
             common[name] = None if value is None else _check_type(name, value, expected)
         unknown = sorted(k for k in data if k not in params)
@@ -156,7 +157,7 @@ class KVCompressConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy}
-        for name in ("budget", "compression_ratio", "interval", "layer_groups"):
+        for name in _OPTIONAL_FIELDS:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         out.update(self.params)

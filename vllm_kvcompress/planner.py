@@ -82,7 +82,7 @@ class RequestState:
         targets = tuple(min(p, b) for p, b in zip(physical, self.budgets))
         if logical_len < self.prompt_len:
             # Still prefilling: only a streamed prompt evicts, at chunk ends.
-            chunk = self.policy.prompt_chunk_size()
+            chunk = self._prompt_chunk()
             return targets if chunk and max(over) >= chunk else None
         if not self.prefill_checked:
             # Prefill just ended: every policy compresses an over-budget prompt.
@@ -98,17 +98,21 @@ class RequestState:
         A streamed prompt's chunk must end where its next eviction is due, so
         that every run (any batch, any chunking) evicts at the same tokens.
         """
-        chunk = self.policy.prompt_chunk_size() if self.budgets is not None else 0
+        chunk = self._prompt_chunk()
         if not chunk or logical_len >= self.prompt_len:
             return None
         return max(min(b + chunk - p for p, b in zip(self.physical(logical_len), self.budgets)), 0)
 
     def max_physical(self, block_size: int) -> int | None:
         """Most tokens a streamed prompt ever holds (None: not bounded before prefill ends)."""
-        chunk = self.policy.prompt_chunk_size() if self.budgets is not None else 0
+        chunk = self._prompt_chunk()
         if not chunk:
             return None
         return max(self.budgets) + max(chunk, self.interval(block_size))
+
+    def _prompt_chunk(self) -> int:
+        """The streamed prompt's chunk; 0 when the prompt is not streamed (or compression is off)."""
+        return self.policy.prompt_chunk_size() if self.budgets is not None else 0
 
     def commit(self, logical_len: int, targets: tuple[int, ...]) -> None:
         """Record a compression to these physical lengths."""

@@ -172,11 +172,11 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
     args.scheduler_cls = SCHEDULER_CLS
     # The hooks target the V1 model runner; spawned workers inherit this.
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    prepare_platform(args)
+    prepare_platform(args, config)
     return config
 
 
-def prepare_platform(args) -> None:
+def prepare_platform(args, config: KVCompressConfig) -> None:
     """CPU: CPU_ATTN as vLLM picks it. CUDA: FLASH_ATTN, eager. Else: refuse."""
     from vllm.platforms import current_platform
 
@@ -184,8 +184,7 @@ def prepare_platform(args) -> None:
         return
     if not current_platform.is_cuda():
         raise _refuse(f"the {current_platform.device_name} platform (CPU and CUDA only)")
-    layer_groups = (args.additional_config or {}).get(CONFIG_KEY, {}).get("layer_groups") or 1
-    if layer_groups > 1:
+    if config.num_layer_groups > 1:
         raise _refuse("layer_groups > 1 on CUDA (FLASH_ATTN builds one group's metadata and reuses it "
                       "for the others, which would give every group the same seq_lens; CPU only so far)")
     chosen = args.attention_backend or getattr(args.attention_config, "backend", None)
