@@ -16,8 +16,8 @@ class StreamingLLM(Policy):
 
     sink_tokens: int = field(default=4, metadata={"help": "first tokens always kept (attention sinks)"})
     prompt_chunk: int = field(default=0, metadata={
-        "help": "stream the prompt: evict every this many prefilled tokens, so a request never holds more "
-                "than budget + prompt_chunk tokens (0: prefill the whole prompt, then evict)"})
+        "help": "stream the prompt: evict every this many prefilled tokens, so a request holds at most "
+                "budget + prompt_chunk tokens while prefilling (0: prefill the whole prompt, then evict)"})
 
     def validate(self) -> None:
         if self.sink_tokens < 0:
