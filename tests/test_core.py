@@ -153,6 +153,35 @@ def test_pyramid_budgets_follow_the_reference_schedule_and_group_into_tiers():
         layer_groups(4, 3)
 
 
+def test_adaptive_budgets_follow_attention_mass_and_wait_for_the_worker():
+    from vllm_kvcompress.policies.adaptive import tokens_for_mass
+
+    # 90% of [.5, .3, .1, .1] needs 3 tokens; of [.95, .05, 0, 0] one; rows need not be normalized.
+    assert tokens_for_mass(torch.tensor([[0.1, 0.5, 0.1, 0.3], [0.0, 1.9, 0.1, 0.0]]), 0.9).tolist() == [3, 1]
+    cfg = KVCompressConfig.from_dict({"policy": "adaptive", "budget": 64, "window": 8, "layer_groups": 4})
+    policy = cfg.make_policy()
+    flat = torch.full((2, 100), 1.0)  # needs 90 tokens per head
+    peaked = torch.zeros(2, 100)
+    peaked[:, :10] = 1.0  # needs 9
+    mixed = torch.stack([flat[0], peaked[0]])  # heads need 90 and 9: mean 49.5
+    # total 4 * 64 = 256 shared in proportion 90 : 9 : 49.5 : 9, floor = window 8.
+    needs = [90, 9, 49.5, 9]
+    want = [max(8, int(256 * n / sum(needs))) for n in needs]
+    assert policy.attention_budgets([flat, peaked, mixed, peaked], 64, 100) == want == [146, 14, 80, 14]
+    assert cfg.merged({"policy": "adaptive", "budget": 64, "window": 8, "floor": 20}).make_policy() \
+        .attention_budgets([flat, peaked, mixed, peaked], 64, 100) == [146, 20, 80, 20]
+    state = RequestState.create(cfg, 100, layer_groups(4, 4))
+    assert state.budgets_pending
+    with pytest.raises(RuntimeError, match="not reported"):
+        state.next_compression(100, 32)
+    state = RequestState.create(cfg, 100, layer_groups(4, 2))
+    state.set_layer_budgets(want)
+    assert state.next_compression(100, 32) == (100, 80)  # tiers keep their largest; none above the prompt
+    assert not RequestState.create(cfg, 64, layer_groups(4, 4)).budgets_pending  # within budget: never compressed
+    with pytest.raises(KVCompressConfigError, match="coverage"):
+        cfg.merged({"policy": "adaptive", "budget": 64, "coverage": 1.5})
+
+
 def test_cpu_layout_reader_and_compaction_in_place():
     n, h, b, d = 5, 2, 4, 3
     cache = torch.zeros(n, h, b, 2 * d)

@@ -60,6 +60,30 @@ def test_pyramidkv_and_uniform_policies_match_reference_per_layer(per_layer, ref
     check_against_reference(per_layer, reference, NUM_LAYERS, prompts, configs)
 
 
+def test_adaptive_matches_reference_and_keeps_the_budgets_it_derived(per_layer, reference):
+    """The worker derives adaptive layer budgets from the window's attention and
+    reports them to the scheduler, which frees each layer's tail: the lengths
+    kept per layer must be the reference's, and so must the tokens."""
+    prompts = random_prompts((310, 250, 95, 205), seed=53)
+    configs = [
+        {"policy": "adaptive", "budget": 64, "window": 16},
+        {"policy": "adaptive", "budget": 48, "window": 8, "coverage": 0.8, "floor": 16},
+        {"policy": "adaptive", "budget": 64, "window": 16},
+        {"policy": "pyramidkv", "budget": 80, "window": 16},
+    ]
+    got = per_layer.generate(prompts, NEW_TOKENS, configs)
+    finished = {r["prefill_len"]: r for r in per_layer.stats()["requests"].values() if r["finished"]}
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict({**config, "layer_groups": NUM_LAYERS})
+        want = reference.generate(prompt, NEW_TOKENS, cfg, block_size=BLOCK_SIZE)
+        assert tokens == want["tokens"], f"{config} prompt {len(prompt)}"
+        (lengths,) = want["compressed_lengths"]
+        assert tuple(finished[len(prompt)]["tokens_kept_per_group"]) == lengths
+        if config["policy"] == "adaptive":
+            assert sum(lengths) <= NUM_LAYERS * config["budget"] + NUM_LAYERS  # the total, up to rounding
+    assert per_layer.stats()["free_blocks"] == per_layer.stats()["total_blocks"]
+
+
 def test_budget_above_need_equals_vanilla(per_layer):
     prompts = random_prompts((120, 45), seed=49)
     plain = per_layer.generate(prompts, NEW_TOKENS)
@@ -68,10 +92,10 @@ def test_budget_above_need_equals_vanilla(per_layer):
     assert roomy == plain
 
 
-def test_pyramidkv_matches_reference_with_tiers(tiers, reference):
-    prompts = random_prompts((280, 150, 210), seed=43)
+def test_per_layer_policies_match_reference_with_tiers(tiers, reference):
+    prompts = random_prompts((280, 150, 210, 190), seed=43)
     configs = [{"policy": "pyramidkv", "budget": 80, "window": 16}, None,
-               {"policy": "streamingllm", "budget": 48}]
+               {"policy": "streamingllm", "budget": 48}, {"policy": "adaptive", "budget": 64, "window": 16}]
     check_against_reference(tiers, reference, 2, prompts, configs)
 
 

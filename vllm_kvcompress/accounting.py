@@ -10,6 +10,9 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 PLAN_ATTR = "kv_compress_plan"  # the StepPlan's attribute on vLLM's SchedulerOutput
+# On vLLM's ModelRunnerOutput: {request id: per-layer budgets} the worker
+# derived from the attention of a prompt that ended in that step.
+BUDGETS_ATTR = "kv_compress_layer_budgets"
 
 
 @dataclass

@@ -115,6 +115,15 @@ class RequestCompression:
             acc += attention
             self.attention[layer] = acc
 
+    def prefill_observed(self, q_positions: torch.Tensor) -> bool:
+        """Whether these observed queries end the prompt (its window is complete)."""
+        return self.needs_attention and int(q_positions.max()) == self.prefill_len - 1
+
+    def attention_budgets(self) -> list[int]:
+        """Per-layer budgets from the observed prompt attention (policies with
+        `budgets_from_attention`, once the prompt's window is observed)."""
+        return self.policy.attention_budgets(self.attention, self.budget, self.prefill_len)
+
     # ------------------------------------------------------------ compacting
 
     def select(self, layer: int, keep: int) -> torch.Tensor:

@@ -49,22 +49,40 @@ class RequestState:
     num_evicted: list[int] = field(default_factory=lambda: [0])  # per group
     num_compressions: int = 0
     prefill_checked: bool = False
+    group_of_layer: list[int] = field(default_factory=lambda: [0])
+    # The policy derives per-layer budgets from the prompt's attention: the
+    # worker reports them at prefill end (`set_layer_budgets`).
+    budgets_pending: bool = False
 
     @classmethod
     def create(cls, config: KVCompressConfig, prompt_len: int, group_of_layer: list[int] | None = None) -> RequestState:
         """`group_of_layer`: the engine's layer -> KV cache group map (default: one group)."""
         group_of_layer = group_of_layer or [0]
-        num_groups = max(group_of_layer) + 1
         policy = config.make_policy()
-        budgets = None
+        state = cls(config=config, policy=policy, prompt_len=prompt_len, group_of_layer=group_of_layer,
+                    num_evicted=[0] * (max(group_of_layer) + 1))
         if config.enabled:
             budget = config.resolve_budget(prompt_len, policy.min_budget())
-            per_layer = policy.layer_budgets(budget, len(group_of_layer), prompt_len)
-            # A group's layers share one block table, so they keep its largest budget.
-            budgets = tuple(max(b for b, g in zip(per_layer, group_of_layer) if g == group)
-                            for group in range(num_groups))
-        return cls(config=config, policy=policy, prompt_len=prompt_len, budgets=budgets,
-                   num_evicted=[0] * num_groups)
+            # A prompt within budget is never compressed, whatever the policy.
+            state.budgets_pending = policy.budgets_from_attention and prompt_len > budget
+            # While pending, the uniform budget stands in (nothing reads it
+            # before prefill ends: such policies do not stream the prompt).
+            per_layer = ([budget] * len(group_of_layer) if state.budgets_pending
+                         else policy.layer_budgets(budget, len(group_of_layer), prompt_len))
+            state.budgets = state._group_budgets(per_layer)
+        return state
+
+    def _group_budgets(self, per_layer: list[int]) -> tuple[int, ...]:
+        # A group's layers share one block table, so they keep its largest budget.
+        return tuple(max(b for b, g in zip(per_layer, self.group_of_layer) if g == group)
+                     for group in range(len(self.num_evicted)))
+
+    def set_layer_budgets(self, per_layer: list[int]) -> None:
+        """The per-layer budgets the worker derived from the prompt's attention."""
+        if len(per_layer) != len(self.group_of_layer):
+            raise ValueError(f"kv_compress: {len(per_layer)} layer budgets for {len(self.group_of_layer)} layers")
+        self.budgets = self._group_budgets(per_layer)
+        self.budgets_pending = False
 
     def physical(self, logical_len: int) -> tuple[int, ...]:
         return tuple(logical_len - e for e in self.num_evicted)
@@ -86,6 +104,9 @@ class RequestState:
             return targets if chunk and max(over) >= chunk else None
         if not self.prefill_checked:
             # Prefill just ended: every policy compresses an over-budget prompt.
+            if self.budgets_pending:
+                raise RuntimeError(f"kv_compress: the {self.policy.name} layer budgets of this request "
+                                   f"were not reported at the end of its prefill")
             self.prefill_checked = True
             return targets if max(over) > 0 else None
         if self.policy.rolling and max(over) >= interval:

@@ -129,6 +129,8 @@ class ReferenceDecoder:
             end = len(prompt) if cap is None else min(len(prompt), logical + cap)
             logits = self._forward(prompt[logical:end], torch.arange(logical, end), cache, state)
             logical = end
+        if plan.budgets_pending:  # the worker reports these at prefill end
+            plan.set_layer_budgets(state.attention_budgets())
         tokens = [int(logits.argmax())]
         while len(tokens) < max_new_tokens:
             logical = len(prompt) + len(tokens) - 1  # tokens whose KV is cached

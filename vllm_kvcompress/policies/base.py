@@ -55,6 +55,9 @@ class Policy:
     same_selection_in_every_layer: ClassVar[bool] = False
     # True: `layer_budgets` differ by layer (needs per-layer KV cache groups).
     per_layer_budgets: ClassVar[bool] = False
+    # True: the layer budgets come from the prompt's observed attention
+    # (`attention_budgets`, at prefill end) instead of `layer_budgets`.
+    budgets_from_attention: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
@@ -70,6 +73,10 @@ class Policy:
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int) -> list[int]:
         """Tokens each layer keeps, given the request's (uniform) budget."""
         return [budget] * num_layers
+
+    def attention_budgets(self, attention: list[torch.Tensor], budget: int, prompt_len: int) -> list[int]:
+        """Tokens each layer keeps, from each layer's observed [Hq, T] attention."""
+        raise NotImplementedError
 
     def prompt_chunk_size(self) -> int:
         """Prompt tokens prefilled between evictions; 0: the whole prompt first.

@@ -9,7 +9,8 @@ and no `--kv-compress`, vLLM behaves exactly as without it.
 Subclasses that vLLM instantiates for us (not patches):
   - vllm.v1.core.sched.scheduler.Scheduler -> scheduler.KVCompressScheduler,
     installed through `scheduler_cls` only when compression is configured;
-    overrides `schedule` (plan compressions first), `_reserve_prefill_lookahead`
+    overrides `schedule` (plan compressions first), `update_from_output` (take
+    the layer budgets a worker derived from attention), `_reserve_prefill_lookahead`
     (end a streamed prompt's chunk at its next eviction) and
     `_free_request_blocks` (where finish, abort and preemption drop the state);
     on its own instances only, wraps each KV cache group's
@@ -63,6 +64,8 @@ PATCHES = [
           "compact evicted KV and truncate block tables before new block ids are appended"),
     Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs", "worker.wrap_prepare_inputs",
           "physical slot mapping and seq_lens; positions (RoPE) stay logical"),
+    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", "worker.wrap_sample_tokens",
+          "carry layer budgets decided from a prompt's attention back to the scheduler"),
     Patch("vllm.v1.core.kv_cache_utils", "", "get_kv_cache_groups", "groups.wrap_get_kv_cache_groups",
           "split the layers into --kv-compress-layer-groups KV cache groups (own block table each)"),
     Patch("vllm.v1.worker.utils", "AttentionGroup", "build_metadata", "worker.wrap_build_metadata",

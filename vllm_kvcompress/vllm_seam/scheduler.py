@@ -17,7 +17,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..planner import RequestState, cdiv
-from ..accounting import PLAN_ATTR, CompressionStats, StepPlan
+from ..accounting import BUDGETS_ATTR, PLAN_ATTR, CompressionStats, StepPlan
 from .groups import group_of_layer
 from .metrics import RatioHistogram, SnapshotWriter
 
@@ -145,6 +145,15 @@ class KVCompressScheduler(Scheduler):
         if ops:
             self._write_snapshot()
         return output
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        # Budgets decided from a prompt's attention (adaptive): the request
+        # compresses to them when the next step is planned.
+        for rid, per_layer in (getattr(model_runner_output, BUDGETS_ATTR, None) or {}).items():
+            state = self.kvc_states.get(rid)
+            if state is not None:
+                state.set_layer_budgets(per_layer)
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         # vLLM's last word on a request's chunk (running and waiting alike): a

@@ -22,7 +22,7 @@ from ..compression import RequestCompression
 from ..config import CONFIG_KEY, KVCompressConfig
 from ..kernels import get_ops
 from ..planner import cdiv
-from ..accounting import PLAN_ATTR, StepPlan
+from ..accounting import BUDGETS_ATTR, PLAN_ATTR, StepPlan
 from .groups import group_of_layer, layer_index
 from .metrics import SnapshotWriter
 
@@ -36,8 +36,8 @@ class StepObservation:
 
     def __init__(self, worker: WorkerCompression) -> None:
         self.worker = worker
-        # (state, batch token indices, logical positions, and per KV cache
-        # group: physical positions, seq_len, block ids)
+        # (request id, state, batch token indices, logical positions, and per
+        # KV cache group: physical positions, seq_len, block ids)
         self.items: list[tuple] = []
         self.layers_seen = 0
 
@@ -46,7 +46,7 @@ class StepObservation:
         worker = self.worker
         layer = worker.layer_of[layer_name]
         group = worker.group_of_layer[layer]
-        for state, token_idx, q_log, q_phys_g, seq_len_g, block_ids_g in self.items:
+        for _, state, token_idx, q_log, q_phys_g, seq_len_g, block_ids_g in self.items:
             q_phys, seq_len, block_ids = q_phys_g[group], seq_len_g[group], block_ids_g[group]
             if worker.fused_scores and state.plain_softmax_sums:
                 # One Triton pass over the paged keys: softmax sums per slot.
@@ -70,6 +70,9 @@ class StepObservation:
         self.layers_seen += 1
         if self.layers_seen == worker.num_layers:
             set_active(None)  # a later warm-up or dummy run must not observe
+            for rid, state, _, q_log, *_ in self.items:
+                if state.policy.budgets_from_attention and state.prefill_observed(q_log):
+                    worker.layer_budgets[rid] = state.attention_budgets()
             worker.snapshot.write(worker.seconds)
 
 
@@ -171,6 +174,8 @@ class WorkerCompression:
         self.fused_scores = self.ops.backend == "triton" and isinstance(self.layout, PagedLayout)
         self.states: dict[str, RequestCompression] = {}
         self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group
+        # Per-layer budgets decided from this step's attention, for the scheduler.
+        self.layer_budgets: dict[str, list[int]] = {}
         self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
         self.snapshot = SnapshotWriter("worker")
         logger.info("kv_compress worker ready (pid %d): %s, %d layers, block %d, %s cache, %s ops",
@@ -273,7 +278,7 @@ class WorkerCompression:
                 q_phys = [p[sl].cpu()[mask] for p in physical]
                 seq_lens = [int(p[sl.stop - 1]) + 1 for p in physical]
                 ids = [torch.tensor(b, dtype=torch.int64) for b in runner.requests[rid].block_ids]
-                step.items.append((state, token_idx, q_log[mask], q_phys, seq_lens, ids))
+                step.items.append((rid, state, token_idx, q_log[mask], q_phys, seq_lens, ids))
         set_active(step if step.items else None)
 
     # ------------------------------------------------------------ stats
@@ -356,6 +361,19 @@ def wrap_update_states(original):
         return original(self, scheduler_output)
 
     return _update_states
+
+
+def wrap_sample_tokens(original):
+    def sample_tokens(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        kvc = _compression(self)
+        if kvc is not None and kvc.layer_budgets and output is not None:
+            # Rides back to the scheduler's update_from_output (async scheduling is off).
+            setattr(output, BUDGETS_ATTR, kvc.layer_budgets)
+            kvc.layer_budgets = {}
+        return output
+
+    return sample_tokens
 
 
 def wrap_prepare_inputs(original):
