@@ -6,6 +6,8 @@ scheduler and the executor can be timed directly):
     single table, snapkv       layer_groups 1  (today's layout: one block table)
     per-layer tables, snapkv   layer_groups N  (the groups' overhead alone)
     pyramidkv, G tiers         layer_groups G for each G in --tiers
+    adaptive, per-layer        layer_groups N  (budgets from the window's attention)
+    adakv, per-layer           layer_groups N  (per-head budgets: fullest head held, others masked)
 
 Reports wall time, output tok/s, mean scheduler and executor (forward) ms per
 step, and the KV memory a request holds once compressed (blocks x the bytes
@@ -13,6 +15,7 @@ of one block of the group's layers), measured from the plugin's stats.
 
     python benchmarks/layer_groups.py                 # SmolLM2 (30 layers), tiers 30,10,6,3
     python benchmarks/layer_groups.py --quick
+    python benchmarks/layer_groups.py --configs adaptive:30 --reuse benchmarks/results/layer_groups.json
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--tiers", default="30,10,6,3", help="layer_groups values for pyramidkv")
+    p.add_argument("--configs", default=None, metavar="POLICY:GROUPS,...",
+                   help="run only these (default: snapkv:1, snapkv:N, pyramidkv per tier, adaptive:N, adakv:N)")
+    p.add_argument("--reuse", type=Path, default=None, metavar="JSON",
+                   help="take the other configurations' rows from an earlier run's layer_groups.json "
+                        "(same settings); the header says which rows were reused")
     p.add_argument("--quick", action="store_true", help="4 requests x 512 + 16 (smoke test)")
     p.add_argument("--model", default=None)
     p.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -154,10 +162,21 @@ def main() -> None:
         print(report(args, data["results"], data["header"]))
         return
     tiers = [int(t) for t in args.tiers.split(",") if t]
-    configs = [("snapkv", 1), ("snapkv", max(tiers))] + [("pyramidkv", g) for g in tiers]
+    configs = ([("snapkv", 1), ("snapkv", max(tiers))] + [("pyramidkv", g) for g in tiers]
+               + [("adaptive", max(tiers)), ("adakv", max(tiers))])
+    run = configs if args.configs is None else [
+        (c.split(":")[0], int(c.split(":")[1])) for c in args.configs.split(",")]
+    reused = {}
+    if args.reuse:
+        old = json.loads(args.reuse.read_text())
+        reused = {(r["policy"], r["layer_groups"]): r for r in old["results"]}
     results = []
     started = time.time()
-    for policy, groups in configs:
+    for policy, groups in configs + [c for c in run if c not in configs]:
+        if (policy, groups) not in run:
+            if (policy, groups) in reused:
+                results.append({**reused[(policy, groups)], "reused": True})
+            continue
         cmd = [sys.executable, __file__, "--one", f"{policy}:{groups}",
                "--num-requests", str(args.num_requests), "--prompt-len", str(args.prompt_len),
                "--new-tokens", str(args.new_tokens), "--budget", str(args.budget), "--window", str(args.window)]
@@ -177,6 +196,9 @@ def main() -> None:
         f"budget {args.budget} (mean per layer), window {args.window}; SmolLM2-135M fp32, block {BLOCK_SIZE}, "
         f"in-process engine core; {time.time() - started:.0f} s in all", "",
     ]
+    if any(r.get("reused") for r in results):
+        header[-1:-1] = [f"- rows reused from an earlier run ({args.reuse}): "
+                         + ", ".join(f"{r['policy']}:{r['layer_groups']}" for r in results if r.get("reused"))]
     text = report(args, results, header)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "layer_groups.md").write_text(text)

@@ -182,6 +182,31 @@ def test_adaptive_budgets_follow_attention_mass_and_wait_for_the_worker():
         cfg.merged({"policy": "adaptive", "budget": 64, "coverage": 1.5})
 
 
+def test_adakv_shares_one_top_k_across_heads_with_a_floor():
+    cfg = KVCompressConfig.from_dict({"policy": "adakv", "budget": 10, "window": 2, "alpha": 0.2})
+    policy = cfg.make_policy()
+    ranked = torch.zeros(3, 40)
+    ranked[0, :20] = torch.linspace(2.0, 1.0, 20)  # head 0 holds every high score
+    ranked[1, :5] = 0.5
+    ranked[2, :5] = 0.4
+    # Floor 2 each; the other 30 - 6 slots all go to head 0's scores (its top 2 already taken).
+    assert policy.head_counts(ranked, 10).tolist() == [20, 5, 5]
+    assert policy.head_counts(ranked, 10).sum() == 30
+    assert KVCompressConfig.from_dict({"policy": "adakv", "budget": 10, "window": 2, "alpha": 1.0}) \
+        .make_policy().head_counts(ranked, 10).tolist() == [10, 10, 10]  # alpha 1: uniform
+
+
+def test_per_head_selection_pads_with_slots_that_stay_in_place():
+    from vllm_kvcompress.policies import select_keep_per_head
+
+    ranked = torch.tensor([[9.0, 0, 8, 0, 7, 0, 6, 5], [0, 0, 0, 0, 0, 0, 4, 3]])
+    order, dead = select_keep_per_head(ranked, torch.tensor([5, 2]), keep=5)
+    # Head 0 keeps 0,2,4,6,7 (6, 7 move into holes 1, 3). Head 1 keeps 6, 7 and pads
+    # with slots 0-2, which stay where they are and are dead; 6, 7 move into slots 3, 4.
+    assert order.tolist() == [[0, 6, 2, 7, 4], [0, 1, 2, 6, 7]]
+    assert dead.tolist() == [[False] * 5, [True, True, True, False, False]]
+
+
 def test_cpu_layout_reader_and_compaction_in_place():
     n, h, b, d = 5, 2, 4, 3
     cache = torch.zeros(n, h, b, 2 * d)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .config import KVCompressConfig
-from .policies import Observation, Observe, Policy, select_keep
+from .policies import Observation, Observe, Policy, rank_scores, select_keep, select_keep_per_head
 
 
 class RequestCompression:
@@ -37,6 +37,10 @@ class RequestCompression:
         self._tail_len = 0
         self.attention: list[torch.Tensor | None] = [None] * num_layers
         self._shared_selection: tuple = (None, None)  # (compaction, keep) -> indices
+        # Per-head budgets: [Hkv, n] slots of the kept part that hold no token
+        # of that head (attention masks them); None: every slot is live.
+        self.dead: list[torch.Tensor | None] = [None] * num_layers
+        self._dead_after: dict[int, torch.Tensor] = {}  # selected, not yet compacted
 
     # ------------------------------------------------------------ observing
 
@@ -121,8 +125,20 @@ class RequestCompression:
 
     def attention_budgets(self) -> list[int]:
         """Per-layer budgets from the observed prompt attention (policies with
-        `budgets_from_attention`, once the prompt's window is observed)."""
+        `budgets_from_attention`, once the prompt's window is observed).
+
+        With per-head budgets a layer holds as many slots as its fullest head keeps.
+        """
+        if self.policy.per_head_budgets:
+            return [int(self._ranked_counts(layer)[1].max()) for layer in range(self.num_layers)]
         return self.policy.attention_budgets(self.attention, self.budget, self.prefill_len)
+
+    def dead_slots(self, layer: int, num_slots: int) -> torch.Tensor | None:
+        """[Hkv, num_slots] True where a head must not attend (None: nowhere)."""
+        dead = self.dead[layer]
+        if dead is None:
+            return None
+        return torch.nn.functional.pad(dead, (0, num_slots - dead.shape[-1]))
 
     # ------------------------------------------------------------ compacting
 
@@ -140,6 +156,23 @@ class RequestCompression:
         return self._select(layer, keep)
 
     def _select(self, layer: int, keep: int) -> torch.Tensor:
+        if self.policy.per_head_budgets:
+            ranked, counts = self._ranked_counts(layer)
+            keep_idx, dead = select_keep_per_head(ranked, counts, keep)
+            self._dead_after[layer] = dead if dead.any() else None
+            return keep_idx
+        scores, positions = self._scores(layer)
+        sinks, recent = self.policy.protected(keep)
+        return select_keep(scores, positions, keep, sinks, recent)
+
+    def _ranked_counts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head policies: ranked scores [Hkv, T] and the tokens each head keeps."""
+        scores, positions = self._scores(layer)
+        sinks, recent = self.policy.protected(self.budget)
+        ranked = rank_scores(scores, positions, sinks, recent)
+        return ranked, self.policy.head_counts(ranked, self.budget)
+
+    def _scores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self.positions(layer)
         acc = self.attention[layer]
         if acc is not None:
@@ -152,13 +185,12 @@ class RequestCompression:
             num_layers=self.num_layers,
             num_compressions=self.num_compressions,
         )
-        scores = self.policy.score(obs)
-        sinks, recent = self.policy.protected(keep)
-        return select_keep(scores, positions, keep, sinks, recent)
+        return self.policy.score(obs), positions
 
     def compact(self, layer: int, keep_idx: torch.Tensor) -> None:
         """Move this layer's bookkeeping the way its K/V were moved."""
         self._kept[layer] = torch.gather(self.positions(layer), 1, keep_idx)
+        self.dead[layer] = self._dead_after.pop(layer, None)
         acc = self.attention[layer]
         if acc is not None:
             acc = _pad_tokens(acc, int(keep_idx.max()) + 1)

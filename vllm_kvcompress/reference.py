@@ -71,6 +71,9 @@ class ReferenceDecoder:
             # Query i sits at physical slot total - n + i and sees slots <= it.
             visible = torch.arange(total).view(1, -1) <= (total - n + torch.arange(n)).view(-1, 1)
             logits = logits.masked_fill(~visible, float("-inf"))
+            dead = state.dead_slots(layer_idx, total) if state is not None else None
+            if dead is not None:  # per-head budgets: slots this head evicted
+                logits = logits.masked_fill(dead.repeat_interleave(group, dim=0).unsqueeze(1), float("-inf"))
             probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
             out = (probs @ v_rep).transpose(0, 1).reshape(n, -1)
             x = x + attn.o_proj(out)
@@ -92,8 +95,9 @@ class ReferenceDecoder:
     ) -> dict:
         """Greedy tokens with the policy applied on the planner's schedule.
 
-        Returns tokens, the kept logical positions per layer at the end, and
-        the physical cache length after every compression.
+        Returns tokens, the kept logical positions per layer at the end, the
+        physical cache length after every compression, and per layer the
+        number of masked (per-head evicted) slots.
         """
         config = config or KVCompressConfig()
         cache = self._empty_cache()
@@ -138,4 +142,6 @@ class ReferenceDecoder:
             logits = self._forward([tokens[-1]], torch.tensor([logical]), cache, state)
             tokens.append(int(logits.argmax()))
         kept = [state.positions(i) for i in range(self.num_layers)] if state else None
-        return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths}
+        # Per-head budgets: per layer, the kept slots some head does not attend.
+        dead = [0 if d is None else int(d.sum()) for d in state.dead] if state else None
+        return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths, "dead_slots": dead}

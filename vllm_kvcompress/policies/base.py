@@ -58,6 +58,10 @@ class Policy:
     # True: the layer budgets come from the prompt's observed attention
     # (`attention_budgets`, at prefill end) instead of `layer_budgets`.
     budgets_from_attention: ClassVar[bool] = False
+    # True: KV heads keep different numbers of tokens (`head_counts`); a
+    # layer holds its fullest head's count and attention masks the others'
+    # unused slots. Such a policy compresses once (not rolling).
+    per_head_budgets: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
@@ -76,6 +80,10 @@ class Policy:
 
     def attention_budgets(self, attention: list[torch.Tensor], budget: int, prompt_len: int) -> list[int]:
         """Tokens each layer keeps, from each layer's observed [Hq, T] attention."""
+        raise NotImplementedError
+
+    def head_counts(self, ranked: torch.Tensor, budget: int) -> torch.Tensor:
+        """[Hkv, T] ranked scores (protected tokens +inf) -> [Hkv] tokens each head keeps."""
         raise NotImplementedError
 
     def prompt_chunk_size(self) -> int:
@@ -164,13 +172,38 @@ def select_keep(
     num_tokens = scores.shape[-1]
     if keep >= num_tokens:
         return torch.arange(num_tokens).expand(scores.shape[0], -1).clone()
+    ranked = rank_scores(scores, positions, sinks, recent)
+    return hole_filling_order(torch.topk(ranked, keep, dim=-1, sorted=False).indices)
+
+
+def rank_scores(scores: torch.Tensor, positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+    """Scores with protected tokens (position < sinks, or among the `recent` newest) at +inf."""
     protected = positions < sinks
     if recent > 0:
         # Newest by logical position: after a compaction the physical order
         # is no longer chronological.
-        protected.scatter_(1, positions.topk(min(recent, num_tokens), dim=-1).indices, True)
-    ranked = scores.to(torch.float32).masked_fill(protected, float("inf"))
-    return hole_filling_order(torch.topk(ranked, keep, dim=-1, sorted=False).indices)
+        protected.scatter_(1, positions.topk(min(recent, scores.shape[-1]), dim=-1).indices, True)
+    return scores.to(torch.float32).masked_fill(protected, float("inf"))
+
+
+def select_keep_per_head(ranked: torch.Tensor, counts: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head h keeps its `counts[h]` best tokens in a layer `keep` slots long.
+
+    Returns (indices [Hkv, keep] in hole-filling order, dead [Hkv, keep]):
+    a head with fewer tokens than `keep` pads with slots it evicts that are
+    already in place (never copied); attention must mask those (`dead`).
+    """
+    num_heads, num_tokens = ranked.shape
+    keep = min(keep, num_tokens)
+    kept = torch.zeros(num_heads, num_tokens, dtype=torch.bool)
+    for h in range(num_heads):
+        kept[h, ranked[h].topk(min(int(counts[h]), keep), sorted=False).indices] = True
+    padded = kept.clone()
+    for h in range(num_heads):
+        free = (~kept[h, :keep]).nonzero().flatten()
+        padded[h, free[: keep - int(kept[h].sum())]] = True
+    order = hole_filling_order(padded.nonzero()[:, 1].view(num_heads, keep))
+    return order, ~torch.gather(kept, 1, order)
 
 
 def hole_filling_order(kept: torch.Tensor) -> torch.Tensor:

@@ -32,14 +32,47 @@ QUERY_CHUNK = 512  # observed queries scored at once (bounds the [Hq, n, T] logi
 
 
 class StepObservation:
-    """Which queries of the running step feed which request's scores."""
+    """Which queries of the running step feed which request's scores, and
+    which requests' heads attend to fewer slots than their layer holds."""
 
     def __init__(self, worker: WorkerCompression) -> None:
         self.worker = worker
         # (request id, state, batch token indices, logical positions, and per
         # KV cache group: physical positions, seq_len, block ids)
         self.items: list[tuple] = []
+        # Same tuples, all of the request's tokens: requests with per-head budgets.
+        self.masked: list[tuple] = []
         self.layers_seen = 0
+
+    def mask_heads(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
+        """Redo attention for requests whose heads keep different counts.
+
+        vLLM's kernels take one length per request and layer; here each KV
+        head's evicted slots are masked (in torch, over the gathered cache)
+        and the rows of `output` are overwritten.
+        """
+        worker = self.worker
+        layer = worker.layer_of[layer_name]
+        group = worker.group_of_layer[layer]
+        rows = output.view(output.shape[0], -1)
+        for _, state, token_idx, _, q_phys_g, seq_len_g, block_ids_g in self.masked:
+            q_phys, seq_len, block_ids = q_phys_g[group], seq_len_g[group], block_ids_g[group]
+            dead = state.dead_slots(layer, seq_len)
+            if dead is None:
+                continue
+            keys, values = worker.layout.gather(kv_cache, block_ids, seq_len)
+            keys, values = keys.to(torch.float32), values.to(torch.float32)
+            hkv, _, d = keys.shape
+            q = query[token_idx].to(torch.float32)  # [n, Hq, D]
+            n = q.shape[0]
+            q = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*n, D]
+            logits = torch.bmm(q, keys.transpose(1, 2)) * worker.scale  # [Hkv, G*n, S]
+            # Row g*n + i is query i of the group's g-th query head.
+            causal = torch.arange(seq_len).view(1, 1, -1) > q_phys.repeat(q.shape[1] // n).view(1, -1, 1)
+            logits.masked_fill_((causal | dead.unsqueeze(1)).to(logits.device), float("-inf"))
+            out = torch.bmm(torch.softmax(logits, dim=-1), values)  # [Hkv, G*n, D]
+            out = out.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1)
+            rows[token_idx.to(rows.device)] = out.to(rows.dtype)
 
     def observe(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -272,16 +305,21 @@ class WorkerCompression:
             sl = slice(int(starts[i]), int(starts[i]) + int(num_scheduled_tokens[i]))
             q_log = positions[sl].cpu()
             state.append(q_log)
-            mask = state.observed(q_log)
-            if mask.any():
-                token_idx = torch.arange(sl.start, sl.stop)[mask]
-                q_phys = [p[sl].cpu()[mask] for p in physical]
-                seq_lens = [int(p[sl.stop - 1]) + 1 for p in physical]
-                ids = [torch.tensor(b, dtype=torch.int64) for b in runner.requests[rid].block_ids]
-                step.items.append((rid, state, token_idx, q_log[mask], q_phys, seq_lens, ids))
-        set_active(step if step.items else None)
+            observed = state.observed(q_log)
+            if observed.any():
+                step.items.append(self._step_item(rid, state, sl, observed, q_log, physical))
+            if any(d is not None for d in state.dead):
+                step.masked.append(self._step_item(rid, state, sl, slice(None), q_log, physical))
+        set_active(step if step.items or step.masked else None)
 
-    # ------------------------------------------------------------ stats
+    def _step_item(self, rid: str, state: RequestCompression, sl: slice, mask, q_log, physical) -> tuple:
+        """A request's selected queries in this step, in StepObservation's tuple form."""
+        token_idx = torch.arange(sl.start, sl.stop)[mask]
+        q_phys = [p[sl].cpu()[mask] for p in physical]
+        seq_lens = [int(p[sl.stop - 1]) + 1 for p in physical]
+        ids = [torch.tensor(b, dtype=torch.int64) for b in self.runner.requests[rid].block_ids]
+        return (rid, state, token_idx, q_log[mask], q_phys, seq_lens, ids)
+
 
 
 # The step whose queries the attention backend must observe (one model runner
