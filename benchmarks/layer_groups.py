@@ -44,6 +44,8 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--window", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per configuration (same engine); times are their medians")
     p.add_argument("--tiers", default="30,10,6,3", help="layer_groups values for pyramidkv")
     p.add_argument("--configs", default=None, metavar="POLICY:GROUPS,...",
                    help="run only these (default: snapkv:1, snapkv:N, pyramidkv per tier, adaptive:N, adakv:N)")
@@ -101,11 +103,16 @@ def run_one(args) -> dict:
                for _ in range(args.num_requests)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    for v in timings.values():
-        v.clear()
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    runs = []  # (wall s, steps, mean schedule s, mean execute s) per repeat
+    for _ in range(args.repeats):
+        for v in timings.values():
+            v.clear()
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        runs.append((time.perf_counter() - start, len(timings["schedule"]),
+                     statistics.mean(timings["schedule"]), statistics.mean(timings["execute"])))
+    wall, steps, schedule_s, execute_s = (statistics.median(col) for col in zip(*runs))
+    steps = int(steps)
     stats = vllm_kvcompress.stats(llm)
     cfg = llm.llm_engine.vllm_config
     hf = cfg.model_config.hf_config
@@ -115,11 +122,10 @@ def run_one(args) -> dict:
     finished = [r for r in stats["requests"].values() if r["finished"] and r["prefill_len"] == args.prompt_len]
     held = statistics.mean(r["blocks_held"] for r in finished)
     return dict(
-        policy=policy, layer_groups=groups, wall_s=wall,
+        policy=policy, layer_groups=groups, wall_s=wall, repeats=args.repeats,
         out_tok_per_s=args.num_requests * args.new_tokens / wall,
-        steps=len(timings["schedule"]),
-        schedule_ms=1e3 * statistics.mean(timings["schedule"]),
-        execute_ms=1e3 * statistics.mean(timings["execute"]),
+        steps=steps, schedule_ms=1e3 * schedule_s, execute_ms=1e3 * execute_s,
+        execute_ms_runs=[round(1e3 * r[3], 1) for r in runs],
         blocks_held=held, kv_mib_held=held * (layers // groups) * layer_block_bytes / 2**20,
         full_kv_mib=-(-(args.prompt_len + args.new_tokens - 1) // BLOCK_SIZE) * layers * layer_block_bytes / 2**20,
         tokens_kept_per_group=finished[-1]["tokens_kept_per_group"],
@@ -147,6 +153,8 @@ def report(args, results: list[dict], header: list[str]) -> str:
             f"| {r['execute_ms']:.1f} | {r['out_tok_per_s']:.1f} | {r['kv_mib_held']:.2f} "
             f"| {single_table_mib(r):.2f} | {r['kv_mib_held'] / base['kv_mib_held']:.2f} "
             f"| {r['kv_mib_held'] / r['full_kv_mib']:.3f} |")
+    lines += ["", "forward ms/step of each run:", ""]
+    lines += [f"- {r['policy']} x {r['layer_groups']}: {r.get('execute_ms_runs', '-')}" for r in results]
     lines += ["", "tokens kept per group (last request):", ""]
     lines += [f"- {r['policy']} x {r['layer_groups']}: {r['tokens_kept_per_group']}" for r in results]
     return "\n".join(lines) + "\n"
@@ -179,7 +187,8 @@ def main() -> None:
             continue
         cmd = [sys.executable, __file__, "--one", f"{policy}:{groups}",
                "--num-requests", str(args.num_requests), "--prompt-len", str(args.prompt_len),
-               "--new-tokens", str(args.new_tokens), "--budget", str(args.budget), "--window", str(args.window)]
+               "--new-tokens", str(args.new_tokens), "--budget", str(args.budget), "--window", str(args.window),
+               "--repeats", str(args.repeats)]
         cmd += ["--model", args.model] if args.model else []
         print(f"[{policy} layer_groups={groups}] running ...", flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
@@ -194,7 +203,8 @@ def main() -> None:
         f"- machine: {', '.join(f'{k} {v}' for k, v in machine_info().items())}",
         f"- {args.num_requests} requests x {args.prompt_len} prompt tokens + {args.new_tokens} new, "
         f"budget {args.budget} (mean per layer), window {args.window}; SmolLM2-135M fp32, block {BLOCK_SIZE}, "
-        f"in-process engine core; {time.time() - started:.0f} s in all", "",
+        f"in-process engine core; times are medians of {args.repeats} runs per configuration; "
+        f"{time.time() - started:.0f} s in all", "",
     ]
     if any(r.get("reused") for r in results):
         header[-1:-1] = [f"- rows reused from an earlier run ({args.reuse}): "

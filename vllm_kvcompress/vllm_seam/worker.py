@@ -62,17 +62,14 @@ class StepObservation:
                 continue
             keys, values = worker.layout.gather(kv_cache, block_ids, seq_len)
             keys, values = keys.to(torch.float32), values.to(torch.float32)
-            hkv, _, d = keys.shape
-            q = query[token_idx].to(torch.float32)  # [n, Hq, D]
-            n = q.shape[0]
-            q = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*n, D]
-            logits = torch.bmm(q, keys.transpose(1, 2)) * worker.scale  # [Hkv, G*n, S]
-            # Row g*n + i is query i of the group's g-th query head.
-            causal = torch.arange(seq_len).view(1, 1, -1) > q_phys.repeat(q.shape[1] // n).view(1, -1, 1)
-            logits.masked_fill_((causal | dead.unsqueeze(1)).to(logits.device), float("-inf"))
-            out = torch.bmm(torch.softmax(logits, dim=-1), values)  # [Hkv, G*n, D]
-            out = out.view(hkv, -1, n, d).permute(2, 0, 1, 3).reshape(n, -1)
-            rows[token_idx.to(rows.device)] = out.to(rows.dtype)
+            for sl in _chunks(len(token_idx)):
+                logits = _causal_logits(query[token_idx[sl]], keys, q_phys[sl], worker.scale)  # [Hq, n, S]
+                hq, n, _ = logits.shape
+                logits = logits.view(len(keys), -1, seq_len)  # [Hkv, G*n, S]: one bmm per KV head
+                logits.masked_fill_(dead.to(logits.device).unsqueeze(1), float("-inf"))
+                out = torch.bmm(torch.softmax(logits, dim=-1), values)  # [Hkv, G*n, D]
+                out = out.view(hq, n, -1).transpose(0, 1).reshape(n, -1)
+                rows[token_idx[sl].to(rows.device)] = out.to(rows.dtype)
 
     def observe(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -89,16 +86,8 @@ class StepObservation:
                         query[token_idx[sl]], keys, block_ids, seq_len, q_phys[sl], worker.scale))
                 continue
             keys = worker.layout.gather_keys(kv_cache, block_ids, seq_len).to(torch.float32)
-            hkv, _, d = keys.shape
-            key_pos = torch.arange(seq_len, device=keys.device)
             for sl in _chunks(len(token_idx)):
-                q = query[token_idx[sl]].to(torch.float32)  # [n, Hq, D]
-                n = q.shape[0]
-                q = q.permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*n, D]
-                logits = torch.bmm(q, keys.transpose(1, 2)).view(-1, n, seq_len) * worker.scale
-                visible = q_phys[sl].to(keys.device).view(1, -1, 1)
-                logits.masked_fill_(key_pos.view(1, 1, -1) > visible, float("-inf"))
-                state.observe(layer, logits, q_log[sl])
+                state.observe(layer, _causal_logits(query[token_idx[sl]], keys, q_phys[sl], worker.scale), q_log[sl])
         worker.seconds["scoring"] += time.perf_counter() - start
         self.layers_seen += 1
         if self.layers_seen == worker.num_layers:
@@ -107,6 +96,18 @@ class StepObservation:
                 if state.policy.budgets_from_attention and state.prefill_observed(q_log):
                     worker.layer_budgets[rid] = state.attention_budgets()
             worker.snapshot.write(worker.seconds)
+
+
+def _causal_logits(query: torch.Tensor, keys: torch.Tensor, q_phys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scaled q.k [Hq, n, S] of queries [n, Hq, D] over one request's keys
+    [Hkv, S, D], -inf past each query's own slot. Query heads are grouped by
+    KV head (GQA); K is never repeated per query head."""
+    hkv, seq_len, d = keys.shape
+    n = query.shape[0]
+    q = query.to(torch.float32).permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*n, D]
+    logits = torch.bmm(q, keys.transpose(1, 2)).view(-1, n, seq_len) * scale
+    key_pos = torch.arange(seq_len, device=keys.device)
+    return logits.masked_fill_(key_pos.view(1, 1, -1) > q_phys.to(keys.device).view(1, -1, 1), float("-inf"))
 
 
 def _chunks(num_queries: int):
@@ -319,7 +320,6 @@ class WorkerCompression:
         seq_lens = [int(p[sl.stop - 1]) + 1 for p in physical]
         ids = [torch.tensor(b, dtype=torch.int64) for b in self.runner.requests[rid].block_ids]
         return (rid, state, token_idx, q_log[mask], q_phys, seq_lens, ids)
-
 
 
 # The step whose queries the attention backend must observe (one model runner
