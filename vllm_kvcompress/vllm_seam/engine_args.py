@@ -31,7 +31,7 @@ _COMMON_OPTIONS = {
     "interval": ("interval", int, "rolling policies evict again after this many new tokens (default: one KV block)"),
     "layer-groups": ("layer_groups", int, "KV cache groups the layers are split into, each with its own block "
                      "table (the number of layers, or a divisor: contiguous tiers); needed by per-layer budgets "
-                     "(pyramidkv) to free memory per layer (default: 1)"),
+                     "(pyramidkv, adaptive) to free memory per layer (default: 1)"),
 }
 
 
