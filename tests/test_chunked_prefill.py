@@ -33,6 +33,8 @@ def reference(tiny_model):
     None, {"policy": "h2o", "budget": 64}, {"policy": "keyformer", "budget": 80},
     # A streamed prompt whose evictions (every 56 tokens) fall inside vLLM's 48-token chunks.
     {"policy": "streamingllm", "budget": 40, "prompt_chunk": 56},
+    # Lengths derived by the worker once the window (spread over two chunks) is seen.
+    {"policy": "adakv", "budget": 64, "window": 32},
 ])
 def test_chunked_prefill_matches_reference(engine, reference, override):
     prompts = random_prompts((200, 170, 61), seed=21)
