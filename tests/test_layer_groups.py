@@ -92,9 +92,10 @@ def test_budgets_from_attention_match_reference_and_are_kept(per_layer, referenc
 def test_budget_above_need_equals_vanilla(per_layer):
     prompts = random_prompts((120, 45), seed=49)
     plain = per_layer.generate(prompts, NEW_TOKENS)
-    roomy = per_layer.generate(prompts, NEW_TOKENS, [{"policy": "pyramidkv", "budget": len(p), "window": 8}
-                                                     for p in prompts])
-    assert roomy == plain
+    for policy in ("pyramidkv", "adaptive", "adakv"):
+        roomy = per_layer.generate(prompts, NEW_TOKENS, [{"policy": policy, "budget": len(p), "window": 8}
+                                                         for p in prompts])
+        assert roomy == plain, policy
 
 
 def test_per_layer_policies_match_reference_with_tiers(tiers, reference):
