@@ -122,6 +122,8 @@ def register_policy(cls: type[Policy]) -> type[Policy]:
     """Class decorator: make a policy available by its `name`."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"policy {cls.__name__} must be a dataclass")
+    if cls.per_head_budgets and cls.rolling:
+        raise TypeError(f"policy {cls.__name__}: per-head budgets compress once (masks are not rolled)")
     POLICIES[cls.name] = cls
     return cls
 
@@ -196,13 +198,12 @@ def select_keep_per_head(ranked: torch.Tensor, counts: torch.Tensor, keep: int) 
     num_heads, num_tokens = ranked.shape
     keep = min(keep, num_tokens)
     kept = torch.zeros(num_heads, num_tokens, dtype=torch.bool)
+    padding = torch.zeros_like(kept)
     for h in range(num_heads):
-        kept[h, ranked[h].topk(min(int(counts[h]), keep), sorted=False).indices] = True
-    padded = kept.clone()
-    for h in range(num_heads):
-        free = (~kept[h, :keep]).nonzero().flatten()
-        padded[h, free[: keep - int(kept[h].sum())]] = True
-    order = hole_filling_order(padded.nonzero()[:, 1].view(num_heads, keep))
+        count = min(int(counts[h]), keep)
+        kept[h, ranked[h].topk(count, sorted=False).indices] = True
+        padding[h, (~kept[h, :keep]).nonzero().flatten()[: keep - count]] = True
+    order = hole_filling_order((kept | padding).nonzero()[:, 1].view(num_heads, keep))
     return order, ~torch.gather(kept, 1, order)
 
 
