@@ -5,7 +5,10 @@ Per step, around vLLM's V1 GPUModelRunner (also the CPU runner's base):
       step's compactions (every layer, per KV head), truncate block tables;
   _prepare_inputs (after): slot mapping and seq_lens become physical,
       positions (RoPE) stay logical; publish which queries to observe;
-  attention forward (attention.py): feed observed queries' scores.
+  attention forward (attention.py): redo rows whose KV heads keep different
+      counts (per-head masks), feed observed queries' scores;
+  sample_tokens (after): return layer budgets derived from a prompt's
+      attention (adaptive, adakv) to the scheduler on ModelRunnerOutput.
 """
 
 from __future__ import annotations
