@@ -25,6 +25,7 @@ All requests go into a single ``llm.generate`` call, so vLLM batches them.
     python benchmarks/quality.py --quick           # smoke test: 2 policies, 1 kept fraction, 1 task, 2 samples
     python benchmarks/quality.py --policies snapkv,h2o --kept 0.25 --tasks niah_single --samples 4
     python benchmarks/quality.py --length 2048
+    python benchmarks/quality.py --policies snapkv,adakv,adakv:alpha=0.5 --layer-groups 30
 
 Writes ``benchmarks/results/quality.csv`` (one row per policy, kept fraction and
 task), ``quality.md`` (tables, machine, command, wall time), ``quality.png``
@@ -70,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default=None,
                    help=f"comma list (default {DEFAULTS['policies']}; --quick: {QUICK['policies']}); "
-                        "'none' = only the full-KV reference")
+                        "'none' = only the full-KV reference; parameters after colons, e.g. adakv:alpha=0.5")
     p.add_argument("--kept", default=None,
                    help=f"kept fractions of the prompt, comma list (default {DEFAULTS['kept']}; "
                         f"--quick: {QUICK['kept']}); compression_ratio = 1 - kept")
@@ -89,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-full", action="store_true", help="leave out the full-KV reference requests")
     p.add_argument("--model", default=None, help="model folder (default: prepare_smollm2())")
     p.add_argument("--max-num-seqs", type=int, default=256, help="vLLM max_num_seqs")
+    p.add_argument("--layer-groups", type=int, default=1,
+                   help="--kv-compress-layer-groups of the engine (the number of layers, 30 for SmolLM2, "
+                        "lets pyramidkv and adaptive keep per-layer budgets)")
     p.add_argument("--kv-space-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE (GiB) unless already set")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -118,10 +122,22 @@ def label(policy: str) -> str:
     return FULL if policy == "none" else policy
 
 
+def policy_spec(label: str) -> dict:
+    """'adakv:alpha=0.5' -> {"policy": "adakv", "alpha": 0.5}: a policy with parameters."""
+    import yaml
+
+    name, *params = label.split(":")
+    spec = {"policy": name}
+    for param in params:
+        key, _, value = param.partition("=")
+        spec[key] = yaml.safe_load(value)
+    return spec
+
+
 def kv_args(policy: str, kept: float) -> dict:
     if policy == "none":
         return {"policy": "none"}
-    return {"policy": policy, "compression_ratio": round(1.0 - kept, 10)}
+    return {**policy_spec(policy), "compression_ratio": round(1.0 - kept, 10)}
 
 
 # ------------------------------------------------------------------------- machine
@@ -164,7 +180,7 @@ def main(argv=None) -> int:
         if t not in longctx.TASKS:
             raise SystemExit(f"--tasks: unknown task {t!r}; valid: {', '.join(longctx.TASKS)}")
     for p in args.policies:
-        if p not in vllm_kvcompress.POLICIES:
+        if policy_spec(p)["policy"] not in vllm_kvcompress.POLICIES:
             raise SystemExit(f"--policies: unknown policy {p!r}; valid: {sorted(vllm_kvcompress.POLICIES)}")
 
     # ---- data
@@ -196,7 +212,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     llm = LLM(model=model, kv_compress="none", dtype=DTYPE, enforce_eager=True, block_size=BLOCK_SIZE,
               max_model_len=max_model_len, seed=args.seed,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, kv_compress_layer_groups=args.layer_groups)
     startup_s = time.perf_counter() - t0
     print(f"[quality] engine up in {startup_s:.1f} s; generating ...", file=sys.stderr, flush=True)
 
@@ -257,6 +273,7 @@ def main(argv=None) -> int:
                output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
                torch_threads=_torch_threads(),
                max_model_len=max_model_len, kv_space_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+               layer_groups=args.layer_groups,
                totals={k: v for k, v in st.items() if k != "requests"})
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -334,7 +351,7 @@ def markdown(run: dict, table: list[dict], cfgs: list) -> str:
         f"load average at start {m['loadavg_at_start']}; {m['platform']}, Python {m['python']}",
         f"- model: {run['model_name']} (`{run['model']}`), dtype {DTYPE}, block size {BLOCK_SIZE}, enforce_eager, "
         f"vLLM {run['vllm_version']}, max_model_len {run['max_model_len']}, "
-        f"VLLM_CPU_KVCACHE_SPACE {run['kv_space_gib']} GiB",
+        f"VLLM_CPU_KVCACHE_SPACE {run['kv_space_gib']} GiB, KV cache groups {run.get('layer_groups', 1)}",
         f"- data: `vllm_kvcompress.longctx` RULER-style tasks, length {run['length']} (prompt + max_gen_toks), "
         f"{run['samples']} samples per task, seed {run['seed']}; raw completion prompts (no chat template), "
         f"greedy, stop at a blank line; score = RULER string_match_all",

@@ -196,6 +196,24 @@ def test_adakv_shares_one_top_k_across_heads_with_a_floor():
         .make_policy().head_counts(ranked, 10).tolist() == [10, 10, 10]  # alpha 1: uniform
 
 
+def test_adakv_with_alpha_one_selects_what_snapkv_selects():
+    """Each head's floor is then the whole budget: no head can take from another."""
+    from vllm_kvcompress.compression import RequestCompression
+
+    torch.manual_seed(3)
+    attention = torch.rand(4, 120) ** 4
+    picks = {}
+    for policy in ({"policy": "snapkv"}, {"policy": "adakv", "alpha": 1.0}, {"policy": "adakv"}):
+        cfg = KVCompressConfig.from_dict({**policy, "budget": 40, "window": 8})
+        state = RequestCompression(cfg, 120, num_layers=1, num_kv_heads=2, num_q_heads=4)
+        state.append(torch.arange(120))
+        state.accumulate(0, attention)
+        keep = state.attention_budgets()[0] if cfg.make_policy().per_head_budgets else 40
+        picks[policy.get("alpha", policy["policy"])] = (state.select(0, keep), state._dead_after.get(0))
+    assert torch.equal(picks["snapkv"][0], picks[1.0][0]) and picks[1.0][1] is None
+    assert picks["adakv"][1] is not None  # default alpha: heads keep unequal counts
+
+
 def test_per_head_selection_pads_with_slots_that_stay_in_place():
     from vllm_kvcompress.policies import select_keep_per_head
 
