@@ -65,11 +65,9 @@ class RequestState:
             budget = config.resolve_budget(prompt_len, policy.min_budget())
             # A prompt within budget is never compressed, whatever the policy.
             state.budgets_pending = policy.budgets_from_attention and prompt_len > budget
-            # While pending, the uniform budget stands in (nothing reads it
-            # before prefill ends: such policies do not stream the prompt).
-            per_layer = ([budget] * len(group_of_layer) if state.budgets_pending
-                         else policy.layer_budgets(budget, len(group_of_layer), prompt_len))
-            state.budgets = state._group_budgets(per_layer)
+            # While pending, these (uniform, for such policies) stand in: nothing
+            # reads them before prefill ends, as such policies do not stream the prompt.
+            state.budgets = state._group_budgets(policy.layer_budgets(budget, len(group_of_layer), prompt_len))
         return state
 
     def _group_budgets(self, per_layer: list[int]) -> tuple[int, ...]:
