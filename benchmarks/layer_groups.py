@@ -72,7 +72,7 @@ def run_one(args) -> dict:
     from vllm import LLM, SamplingParams
 
     import vllm_kvcompress
-    from vllm_kvcompress.models import prepare_smollm2
+    from kvc_tools.models import prepare_smollm2
 
     policy, groups = args.one.split(":")
     groups = int(groups)

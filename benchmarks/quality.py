@@ -1,6 +1,6 @@
 """Quality benchmark: how much long-context accuracy does each policy keep?
 
-Every policy x kept fraction on RULER-style tasks (``vllm_kvcompress.longctx``:
+Every policy x kept fraction on RULER-style tasks (``kvc_tools.longctx``:
 needle-in-a-haystack variants, variable tracking) with SmolLM2-135M-Instruct,
 plus full KV (no compression) as the reference line.
 
@@ -172,8 +172,8 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
 
     import vllm_kvcompress
-    from vllm_kvcompress import longctx
-    from vllm_kvcompress.models import prepare_smollm2
+    from kvc_tools import longctx
+    from kvc_tools.models import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
     for t in args.tasks:
@@ -352,7 +352,7 @@ def markdown(run: dict, table: list[dict], cfgs: list) -> str:
         f"- model: {run['model_name']} (`{run['model']}`), dtype {DTYPE}, block size {BLOCK_SIZE}, enforce_eager, "
         f"vLLM {run['vllm_version']}, max_model_len {run['max_model_len']}, "
         f"VLLM_CPU_KVCACHE_SPACE {run['kv_space_gib']} GiB, KV cache groups {run.get('layer_groups', 1)}",
-        f"- data: `vllm_kvcompress.longctx` RULER-style tasks, length {run['length']} (prompt + max_gen_toks), "
+        f"- data: `kvc_tools.longctx` RULER-style tasks, length {run['length']} (prompt + max_gen_toks), "
         f"{run['samples']} samples per task, seed {run['seed']}; raw completion prompts (no chat template), "
         f"greedy, stop at a blank line; score = RULER string_match_all",
         "- budget: kept fraction of the prompt, sent per request as `compression_ratio = 1 - kept`; "

@@ -33,9 +33,9 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from quality import kv_args  # benchmarks/quality.py
-    from vllm_kvcompress import longctx
+    from kvc_tools import longctx
+    from kvc_tools.models import prepare_smollm2
     from vllm_kvcompress.config import KVCompressConfig
-    from vllm_kvcompress.models import prepare_smollm2
     from vllm_kvcompress.reference import ReferenceDecoder
 
     rows = [json.loads(line) for line in args.predictions.read_text().splitlines()]

@@ -166,16 +166,18 @@ def compression_label(args) -> str:
 
 
 def policy_args(args) -> dict:
-    """--policy-arg NAME=VALUE pairs, values typed by the policy's dataclass."""
-    from vllm_kvcompress.config import policy_params
+    """--policy-arg NAME=VALUE pairs, values typed by the policy's components' dataclasses."""
+    from vllm_kvcompress.config import composition_params
 
-    fields = policy_params(args.policy)
+    fields = composition_params(args.policy, trigger="streamed" if any(
+        a.startswith("prompt_chunk=") for a in args.policy_arg) else None)
     out = {}
     for arg in args.policy_arg:
         name, sep, value = arg.partition("=")
         if not sep or name not in fields:
             raise SystemExit(f"--policy-arg {arg!r}: expected NAME=VALUE with NAME in {sorted(fields)}")
-        out[name] = fields[name].type(value) if fields[name].type is not bool else value in ("1", "true", "True")
+        kind = {"int": int, "float": float, "str": str, "bool": bool}.get(fields[name].type, fields[name].type)
+        out[name] = kind(value) if kind is not bool else value in ("1", "true", "True")
     return out
 
 
@@ -661,7 +663,7 @@ def markdown(meta: dict, workloads: dict, results: dict, summary: dict, checks: 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.model is None:
-        from vllm_kvcompress.models import prepare_smollm2  # noqa: E402  (imports vLLM, no engine)
+        from kvc_tools.models import prepare_smollm2  # noqa: E402
 
         args.model = str(prepare_smollm2())
     if args.one:

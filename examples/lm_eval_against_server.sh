@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the offline RULER-style lm-eval suite (eval/tasks, see
-# vllm_kvcompress/longctx.py) against a `vllm serve` with KV compression.
+# kvc_tools/longctx.py) against a `vllm serve` with KV compression.
 #
 #   examples/lm_eval_against_server.sh [POLICY [BUDGET [TASKS]]]
 #
@@ -34,7 +34,7 @@ MODEL="${MODEL:-${VLLM_KVCOMPRESS_CACHE:-$HOME/.cache/vllm_kvcompress}/models/sm
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 if [[ ! -f "$MODEL/config.json" ]]; then
-    echo "model folder $MODEL not found; run: python -m vllm_kvcompress.models prepare smollm2" >&2
+    echo "model folder $MODEL not found; run: python -m kvc_tools.models prepare smollm2" >&2
     exit 1
 fi
 command -v lm_eval >/dev/null || { echo "lm_eval not found: pip install 'lm-eval[api]'" >&2; exit 1; }

@@ -25,8 +25,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     import vllm_kvcompress
-    from vllm_kvcompress.longctx import generate_samples
-    from vllm_kvcompress.models import prepare_smollm2
+    from kvc_tools.longctx import generate_samples
+    from kvc_tools.models import prepare_smollm2
 
     model = str(prepare_smollm2())
     samples = generate_samples("niah_single", args.length, args.requests)

@@ -8,7 +8,7 @@ POLICY="${1:-snapkv}"
 BUDGET="${2:-512}"
 PORT="${PORT:-8322}"
 PY=.venv/bin/python
-MODEL=$($PY -m vllm_kvcompress.models prepare smollm2 2>/dev/null | tail -1)
+MODEL=$($PY -m kvc_tools.models prepare smollm2 2>/dev/null | tail -1)
 LOG=$(mktemp /tmp/kvcompress-serve.XXXX.log)
 
 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} .venv/bin/vllm serve "$MODEL" \
@@ -27,7 +27,7 @@ done
 $PY - "$PORT" "$MODEL" <<'PY'
 import json, sys, urllib.request
 sys.path.insert(0, ".")
-from vllm_kvcompress.longctx import generate_samples
+from kvc_tools.longctx import generate_samples
 port, model = sys.argv[1], sys.argv[2]
 sample = generate_samples("niah_single", 2048, 1)[0]
 body = json.dumps({"model": model, "prompt": sample["input"], "max_tokens": 16, "temperature": 0}).encode()

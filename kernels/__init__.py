@@ -7,10 +7,10 @@ Installed as ``vllm_kvcompress.kernels``. Pick the implementation once at startu
     ops.window_scores_batched(...); ops.accumulate_decode_scores(...); ops.compact_kv_batched(...)
 
 Both namespaces expose the same functions with the same signatures and math
-(see ``reference.py``): ``split_kv_cache, gather_dense, window_scores,
-window_scores_batched, reduce_gqa, pool_scores, accumulate_decode_scores, compact_kv,
-compact_kv_batched``; the torch one also has ``check_keep_idx``. ``reduce_gqa``,
-``pool_scores`` and ``gather_dense`` are the torch versions in both (cheap, not fused).
+(see ``reference.py``), the operation list ``OP_NAMES`` that the worker calls on every
+device: ``split_kv_cache, gather_dense, window_scores_batched, accumulate_decode_scores,
+compact_kv_batched``; both also have ``check_keep_idx``. ``split_kv_cache`` and
+``gather_dense`` are the torch versions in both (views and one gather, not fused).
 This module never imports Triton itself; ``triton_kernels`` is imported on demand.
 """
 

@@ -32,19 +32,17 @@ import torch
 import torch.nn.functional as F
 
 # The operations every backend provides (torch here, Triton in triton_kernels).
+# The operations every backend provides (torch here, Triton in triton_kernels):
+# what the worker calls, on CPU and on CUDA alike.
 OP_NAMES = (
     "split_kv_cache",
     "gather_dense",
-    "window_scores",
     "window_scores_batched",
-    "reduce_gqa",
-    "pool_scores",
     "accumulate_decode_scores",
-    "compact_kv",
     "compact_kv_batched",
 )
 
-__all__ = [*OP_NAMES, "OP_NAMES", "check_keep_idx"]
+__all__ = [*OP_NAMES, "OP_NAMES", "check_keep_idx", "window_scores", "reduce_gqa", "pool_scores"]
 
 # Upper bound on the number of float32 elements a reference materialises at once
 # (logits / gathered keys); larger problems are processed in chunks.
@@ -305,7 +303,7 @@ def check_keep_idx(keep_idx: torch.Tensor, keep_counts: Optional[torch.Tensor] =
     """Validate ``keep_idx [..., Hkv, K]`` per head: >= 0, ``< seq_len`` when given,
     and either strictly ascending (hence ``idx[j] >= j``) or hole-filling (distinct,
     every entry ``j`` or ``>= count``: the plugin's order, see
-    ``vllm_kvcompress.policies.base.hole_filling_order``). Raises ``ValueError``.
+    ``vllm_kvcompress.selection.hole_filling_order``). Raises ``ValueError``.
     (Syncs; for debugging/tests.)"""
     ki = keep_idx.long()
     k = ki.shape[-1]
@@ -382,25 +380,3 @@ def compact_kv_batched(
             tail = torch.arange(t, device=dev) >= counts[..., None]  # [R, Hkv, T]
             s.masked_fill_(tail[:, :, None, :], 0.0)
         s[r_idx, h_idx, :, j_idx] = vals
-
-
-def compact_kv(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table_row: torch.Tensor,
-    keep_idx: torch.Tensor,
-    keep_counts: Optional[torch.Tensor] = None,
-    scores: Optional[torch.Tensor] = None,
-    zero_score_tail: bool = True,
-) -> None:
-    """Single-request :func:`compact_kv_batched`: ``block_table_row [max_blocks]``,
-    ``keep_idx [Hkv, K]``, ``keep_counts [Hkv]`` or None, ``scores [Hq, T]`` or None."""
-    compact_kv_batched(
-        key_cache,
-        value_cache,
-        block_table_row[None],
-        keep_idx[None],
-        None if keep_counts is None else keep_counts[None],
-        None if scores is None else scores[None],
-        zero_score_tail,
-    )

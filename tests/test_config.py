@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
-from vllm_kvcompress.policies import POLICIES
+from vllm_kvcompress.registry import POLICIES
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 

@@ -1,4 +1,4 @@
-"""Plain-code pieces without an engine: selection, policies, planner, cache layout, oracle."""
+"""Plain-code pieces without an engine: selection, scorers, budgets, planner, cache layout, oracle."""
 
 from __future__ import annotations
 
@@ -6,13 +6,26 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_kvcompress.cache_layout import CPUAttnLayout, PagedLayout
+from vllm_kvcompress.cache_layout import LAYOUTS
 from vllm_kvcompress.compression import RequestCompression
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
+from vllm_kvcompress.kernels import get_ops
+from vllm_kvcompress.kernels.reference import pool_scores, reduce_gqa
+from vllm_kvcompress.plan import resolve_plan
 from vllm_kvcompress.planner import RequestState, layer_groups
-from vllm_kvcompress.policies import select_keep
-from vllm_kvcompress.policies.base import hash_uniform, reduce_gqa
-from vllm_kvcompress.policies.snapkv import pool_scores
+from vllm_kvcompress.scorers import hash_uniform
+from vllm_kvcompress.selection import select_keep
+
+BLOCK = 32  # the engine's block size: the default rolling interval
+
+
+def plan(cfg: KVCompressConfig, prompt_len: int, num_layers: int = 1):
+    """The plan the scheduler resolves for such a request."""
+    return resolve_plan(cfg, prompt_len, num_layers, BLOCK)
+
+
+def compression(cfg: KVCompressConfig, prompt_len: int, num_layers: int, num_kv_heads: int, num_q_heads: int):
+    return RequestCompression(plan(cfg, prompt_len, num_layers), num_layers, num_kv_heads, num_q_heads)
 
 
 def test_select_keep_protects_sinks_and_recent_and_takes_top_scores():
@@ -38,7 +51,7 @@ def test_kept_tokens_fill_the_holes_and_recent_means_newest_position():
 
 
 def test_reduce_gqa_groups_consecutive_query_heads():
-    att = torch.tensor([[1.0, 0], [3, 0], [0, 2], [0, 6]])  # 4 query heads, 2 kv heads
+    att = torch.tensor([[1.0, 0], [3, 0], [0, 2], [0, 6]])  # 4 query heads, 2 kv heads (groups of 2)
     assert reduce_gqa(att, 2, "mean").tolist() == [[2.0, 0.0], [0.0, 4.0]]
     assert reduce_gqa(att, 2, "max").tolist() == [[3.0, 0.0], [0.0, 6.0]]
 
@@ -77,7 +90,7 @@ def test_snapkv_selection_matches_the_spec():
     hq, hkv, length, d = 6, 2, 90, 16
     q, k = torch.randn(hq, length, d), torch.randn(hkv, length, d)
     cfg = KVCompressConfig.from_dict({"policy": "snapkv", "budget": 40, "window": 8})
-    rc = RequestCompression(cfg, length, 1, hkv, hq)
+    rc = compression(cfg, length, 1, hkv, hq)
     positions = torch.arange(length)
     rc.append(positions)
     mask = rc.observed(positions)
@@ -90,14 +103,14 @@ def test_snapkv_selection_matches_the_spec():
 
 def test_streamingllm_keeps_sinks_and_recent():
     cfg = KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 10, "sink_tokens": 3})
-    rc = RequestCompression(cfg, 30, 2, 2, 4)
+    rc = compression(cfg, 30, 2, 2, 4)
     rc.append(torch.arange(30))
     assert sorted(rc.select(1, 10)[0].tolist()) == [0, 1, 2, 23, 24, 25, 26, 27, 28, 29]
 
 
 def test_compaction_moves_positions_and_scores_per_head():
     cfg = KVCompressConfig.from_dict({"policy": "h2o", "budget": 4, "recent_ratio": 0.5})
-    rc = RequestCompression(cfg, 8, 1, 2, 4)
+    rc = compression(cfg, 8, 1, 2, 4)
     rc.append(torch.arange(8))
     rc.attention[0] = torch.arange(32, dtype=torch.float32).view(4, 8)
     keep = torch.tensor([[0, 3, 6, 7], [1, 2, 6, 7]])
@@ -111,40 +124,41 @@ def test_compaction_moves_positions_and_scores_per_head():
 
 def test_planner_schedule():
     cfg = KVCompressConfig.from_dict({"policy": "h2o", "budget": 64})
-    state = RequestState.create(cfg, prompt_len=200)
-    assert state.next_compression(100, 32) is None  # still prefilling
-    assert state.next_compression(200, 32) == (64,)  # prefill ended over budget
+    state = RequestState.create(plan(cfg, 200))
+    assert state.next_compression(100) is None  # still prefilling
+    assert state.next_compression(200) == (64,)  # prefill ended over budget
     state.commit(200, (64,))
     assert state.num_evicted == [136] and state.physical(201) == (65,)
-    assert state.next_compression(200 + 31, 32) is None  # 95 < 64 + 32
-    assert state.next_compression(200 + 32, 32) == (64,)  # 96: one block to free
-    snap = RequestState.create(KVCompressConfig.from_dict({"policy": "snapkv", "budget": 64}), prompt_len=50)
-    assert snap.next_compression(50, 32) is None and snap.next_compression(500, 32) is None  # never rolls
+    assert state.next_compression(200 + 31) is None  # 95 < 64 + 32
+    assert state.next_compression(200 + 32) == (64,)  # 96: one block to free
+    snap = RequestState.create(plan(KVCompressConfig.from_dict({"policy": "snapkv", "budget": 64}), 50))
+    assert snap.next_compression(50) is None and snap.next_compression(500) is None  # never rolls
 
 
 def test_planner_streams_a_prompt_in_chunks():
     cfg = KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64, "prompt_chunk": 32})
-    state = RequestState.create(cfg, prompt_len=200)
+    state = RequestState.create(plan(cfg, 200))
     assert state.prefill_cap(0) == 96  # budget + chunk before the first eviction
-    assert state.next_compression(95, 32) is None and state.next_compression(96, 32) == (64,)
+    assert state.next_compression(95) is None and state.next_compression(96) == (64,)
     state.commit(96, (64,))
-    assert state.prefill_cap(96) == 32 and state.next_compression(127, 32) is None
+    assert state.prefill_cap(96) == 32 and state.next_compression(127) is None
     assert state.prefill_cap(200) is None  # prompt done: decode rolls as usual
-    plain = RequestState.create(KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64}), 200)
-    assert plain.prefill_cap(0) is None and plain.next_compression(150, 32) is None
+    plain = RequestState.create(plan(KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64}), 200))
+    assert plain.prefill_cap(0) is None and plain.next_compression(150) is None
 
 
 def test_pyramid_budgets_follow_the_reference_schedule_and_group_into_tiers():
     cfg = KVCompressConfig.from_dict({"policy": "pyramidkv", "budget": 96, "window": 8, "layer_groups": 4})
-    policy = cfg.make_policy()
+    allocation = cfg.components().allocation
     # KVCache-Factory: min (96-8)//20 = 4, max 2*88-4 = 172, step (172-4)//3 = 56, + window.
-    assert policy.layer_budgets(96, 4, 1000) == [180, 124, 68, 12]
-    assert policy.layer_budgets(96, 4, 150) == [150, 114, 78, 42]  # short prompt: bottom keeps all
-    state = RequestState.create(cfg, 1000, layer_groups(4, 4))
+    assert allocation.layer_budgets(96, 4, 1000, 8) == [180, 124, 68, 12]
+    assert allocation.layer_budgets(96, 4, 150, 8) == [150, 114, 78, 42]  # short prompt: bottom keeps all
+    state = RequestState.create(plan(cfg, 1000, 4), layer_groups(4, 4))
     assert state.budgets == (180, 124, 68, 12)
-    tiers = RequestState.create(cfg.merged({"policy": "pyramidkv", "budget": 96, "window": 8}), 1000, layer_groups(4, 2))
+    tiers_cfg = cfg.merged({"policy": "pyramidkv", "budget": 96, "window": 8})
+    tiers = RequestState.create(plan(tiers_cfg, 1000, 4), layer_groups(4, 2))
     assert tiers.budgets == (180, 68)  # a tier keeps its largest layer budget
-    assert state.next_compression(1000, 32) == (180, 124, 68, 12)
+    assert state.next_compression(1000) == (180, 124, 68, 12)
     with pytest.raises(KVCompressConfigError, match="layer_groups"):
         KVCompressConfig.from_dict({"policy": "pyramidkv", "budget": 96})  # needs groups
     with pytest.raises(KVCompressConfigError, match="engine setting"):
@@ -154,12 +168,12 @@ def test_pyramid_budgets_follow_the_reference_schedule_and_group_into_tiers():
 
 
 def test_adaptive_budgets_follow_attention_mass_and_wait_for_the_worker():
-    from vllm_kvcompress.policies.adaptive import tokens_for_mass
+    from vllm_kvcompress.budgets import tokens_for_mass
 
     # 90% of [.5, .3, .1, .1] needs 3 tokens; of [.95, .05, 0, 0] one; rows need not be normalized.
     assert tokens_for_mass(torch.tensor([[0.1, 0.5, 0.1, 0.3], [0.0, 1.9, 0.1, 0.0]]), 0.9).tolist() == [3, 1]
     cfg = KVCompressConfig.from_dict({"policy": "adaptive", "budget": 64, "window": 8, "layer_groups": 4})
-    policy = cfg.make_policy()
+    allocation = cfg.components().allocation
     flat = torch.full((2, 100), 1.0)  # needs 90 tokens per head
     peaked = torch.zeros(2, 100)
     peaked[:, :10] = 1.0  # needs 9
@@ -167,55 +181,54 @@ def test_adaptive_budgets_follow_attention_mass_and_wait_for_the_worker():
     # total 4 * 64 = 256 shared in proportion 90 : 9 : 49.5 : 9, floor = window 8.
     needs = [90, 9, 49.5, 9]
     want = [max(8, int(256 * n / sum(needs))) for n in needs]
-    assert policy.attention_budgets([flat, peaked, mixed, peaked], 64, 100) == want == [146, 14, 80, 14]
-    assert cfg.merged({"policy": "adaptive", "budget": 64, "window": 8, "floor": 20}).make_policy() \
-        .attention_budgets([flat, peaked, mixed, peaked], 64, 100) == [146, 20, 80, 20]
-    state = RequestState.create(cfg, 100, layer_groups(4, 4))
+    assert allocation.attention_budgets([flat, peaked, mixed, peaked], 64, 8) == want == [146, 14, 80, 14]
+    assert cfg.merged({"policy": "adaptive", "budget": 64, "window": 8, "floor": 20}).components().allocation \
+        .attention_budgets([flat, peaked, mixed, peaked], 64, 8) == [146, 20, 80, 20]
+    state = RequestState.create(plan(cfg, 100, 4), layer_groups(4, 4))
     assert state.budgets_pending
     with pytest.raises(RuntimeError, match="not reported"):
-        state.next_compression(100, 32)
-    state = RequestState.create(cfg, 100, layer_groups(4, 2))
+        state.next_compression(100)
+    state = RequestState.create(plan(cfg, 100, 4), layer_groups(4, 2))
     state.set_layer_budgets(want)
-    assert state.next_compression(100, 32) == (100, 80)  # tiers keep their largest; none above the prompt
-    assert not RequestState.create(cfg, 64, layer_groups(4, 4)).budgets_pending  # within budget: never compressed
+    assert state.next_compression(100) == (100, 80)  # tiers keep their largest; none above the prompt
+    # Within budget: never compressed.
+    assert not RequestState.create(plan(cfg, 64, 4), layer_groups(4, 4)).budgets_pending
     with pytest.raises(KVCompressConfigError, match="coverage"):
         cfg.merged({"policy": "adaptive", "budget": 64, "coverage": 1.5})
 
 
 def test_adakv_shares_one_top_k_across_heads_with_a_floor():
     cfg = KVCompressConfig.from_dict({"policy": "adakv", "budget": 10, "window": 2, "alpha": 0.2})
-    policy = cfg.make_policy()
+    allocation = cfg.components().allocation
     ranked = torch.zeros(3, 40)
     ranked[0, :20] = torch.linspace(2.0, 1.0, 20)  # head 0 holds every high score
     ranked[1, :5] = 0.5
     ranked[2, :5] = 0.4
     # Floor 2 each; the other 30 - 6 slots all go to head 0's scores (its top 2 already taken).
-    assert policy.head_counts(ranked, 10).tolist() == [20, 5, 5]
-    assert policy.head_counts(ranked, 10).sum() == 30
+    assert allocation.head_counts(ranked, 10).tolist() == [20, 5, 5]
+    assert allocation.head_counts(ranked, 10).sum() == 30
     assert KVCompressConfig.from_dict({"policy": "adakv", "budget": 10, "window": 2, "alpha": 1.0}) \
-        .make_policy().head_counts(ranked, 10).tolist() == [10, 10, 10]  # alpha 1: uniform
+        .components().allocation.head_counts(ranked, 10).tolist() == [10, 10, 10]  # alpha 1: uniform
 
 
 def test_adakv_with_alpha_one_selects_what_snapkv_selects():
     """Each head's floor is then the whole budget: no head can take from another."""
-    from vllm_kvcompress.compression import RequestCompression
-
     torch.manual_seed(3)
     attention = torch.rand(4, 120) ** 4
     picks = {}
     for policy in ({"policy": "snapkv"}, {"policy": "adakv", "alpha": 1.0}, {"policy": "adakv"}):
         cfg = KVCompressConfig.from_dict({**policy, "budget": 40, "window": 8})
-        state = RequestCompression(cfg, 120, num_layers=1, num_kv_heads=2, num_q_heads=4)
+        state = compression(cfg, 120, num_layers=1, num_kv_heads=2, num_q_heads=4)
         state.append(torch.arange(120))
         state.accumulate(0, attention)
-        keep = state.attention_budgets()[0] if cfg.make_policy().per_head_budgets else 40
+        keep = state.attention_budgets()[0] if state.plan.allocation.per_head else 40
         picks[policy.get("alpha", policy["policy"])] = (state.select(0, keep), state._dead_after.get(0))
     assert torch.equal(picks["snapkv"][0], picks[1.0][0]) and picks[1.0][1] is None
     assert picks["adakv"][1] is not None  # default alpha: heads keep unequal counts
 
 
 def test_per_head_selection_pads_with_slots_that_stay_in_place():
-    from vllm_kvcompress.policies import select_keep_per_head
+    from vllm_kvcompress.selection import select_keep_per_head
 
     ranked = torch.tensor([[9.0, 0, 8, 0, 7, 0, 6, 5], [0, 0, 0, 0, 0, 0, 4, 3]])
     order, dead = select_keep_per_head(ranked, torch.tensor([5, 2]), keep=5)
@@ -225,54 +238,51 @@ def test_per_head_selection_pads_with_slots_that_stay_in_place():
     assert dead.tolist() == [[False] * 5, [True, True, True, False, False]]
 
 
-def test_cpu_layout_reader_and_compaction_in_place():
+def test_cpu_layout_views_and_compaction_in_place():
     n, h, b, d = 5, 2, 4, 3
     cache = torch.zeros(n, h, b, 2 * d)
-    k_view, v_view = CPUAttnLayout.views(cache)
+    k_view, v_view = LAYOUTS["CPU_ATTN"](cache)  # [N, B, H, D] views
     keys, values = torch.randn(h, 10, d), torch.randn(h, 10, d)
     block_ids = torch.tensor([3, 0, 4])  # shuffled blocks
     for t in range(10):
-        k_view[block_ids[t // b], :, :, t % b] = keys[:, t]
-        v_view[block_ids[t // b], :, t % b, :] = values[:, t]
+        k_view[block_ids[t // b], t % b] = keys[:, t]
+        v_view[block_ids[t // b], t % b] = values[:, t]
     # K is stored transposed inside each (block, head) slab, V plainly.
     assert torch.equal(cache[3, 0].flatten()[: b * d].view(d, b)[:, 1], keys[0, 1])
-    got_k, got_v = CPUAttnLayout.gather(cache, block_ids, 10)
-    assert torch.equal(got_k, keys) and torch.equal(got_v, values)
-    keep = torch.tensor([[0, 5, 6, 9], [2, 3, 4, 8]])
-    CPUAttnLayout.compact(cache, block_ids, keep)
-    new_k, new_v = CPUAttnLayout.gather(cache, block_ids, 4)
-    for head in range(h):
-        assert torch.equal(new_k[head], keys[head, keep[head]])
-        assert torch.equal(new_v[head], values[head, keep[head]])
-    assert cache[1].abs().sum() == 0  # blocks the request does not own are untouched
+    assert torch.equal(cache[3, 0].flatten()[b * d:].view(b, d)[1], values[0, 1])
+    check_paged_compaction(cache, LAYOUTS["CPU_ATTN"], block_ids, keys, values)
 
 
 @pytest.mark.parametrize("storage", ["HND", "NHD"])
 def test_paged_layout_reader_and_compaction_in_place(storage):
     """vLLM 0.32's FLASH_ATTN cache through the kernel ops (torch ones here)."""
-    from vllm_kvcompress.kernels import get_ops
-
     n, h, b, d = 5, 2, 4, 3
     if storage == "HND":
         cache = torch.zeros(n, h, b, 2 * d)
     else:  # the same logical shape over [N, B, H, 2D] memory
         cache = torch.zeros(n, b, h, 2 * d).transpose(1, 2)
-    layout = PagedLayout(get_ops("cpu"))
     keys, values = torch.randn(h, 10, d), torch.randn(h, 10, d)
     block_ids = torch.tensor([3, 0, 4])
     for t in range(10):
         cache[block_ids[t // b], :, t % b, :d] = keys[:, t]
         cache[block_ids[t // b], :, t % b, d:] = values[:, t]
-    got_k, got_v = layout.gather(cache, block_ids, 10)
-    assert torch.equal(got_k, keys) and torch.equal(got_v, values)
-    assert torch.equal(layout.gather_keys(cache, block_ids, 7), keys[:, :7])
+    check_paged_compaction(cache, LAYOUTS["FLASH_ATTN"], block_ids, keys, values)
+
+
+def check_paged_compaction(cache, views, block_ids, keys, values):
+    """The views read what was written; compaction through the ops moves both K and V."""
+    ops = get_ops("cpu")
+    h = keys.shape[0]
+    k_view, v_view = views(cache)
+    assert torch.equal(ops.gather_dense(k_view, block_ids, 10), keys)
+    assert torch.equal(ops.gather_dense(v_view, block_ids, 10), values)
     keep = select_keep(torch.rand(h, 10), torch.arange(10).expand(h, -1), 4, 1, 1)  # hole-filling order
-    layout.compact(cache, block_ids, keep)
-    new_k, new_v = layout.gather(cache, block_ids, 4)
+    ops.compact_kv_batched(k_view, v_view, block_ids[None], keep[None])
+    new_k, new_v = ops.gather_dense(k_view, block_ids, 4), ops.gather_dense(v_view, block_ids, 4)
     for head in range(h):
         assert torch.equal(new_k[head], keys[head, keep[head]])
         assert torch.equal(new_v[head], values[head, keep[head]])
-    assert cache[1].abs().sum() == 0
+    assert cache[1].abs().sum() == 0  # blocks the request does not own are untouched
 
 
 def test_reference_decoder_without_compression_equals_transformers(tiny_model):

@@ -1,4 +1,4 @@
-"""Tests for vllm_kvcompress.longctx (RULER-style offline tasks) and the
+"""Tests for kvc_tools.longctx (RULER-style offline tasks) and the
 generated lm-eval suite in eval/tasks. Fast: no engine, no model weights.
 
 Tests that measure real token counts use the SmolLM2 tokenizer of the cached
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 TASK_DIR = REPO / "eval" / "tasks"
 
 
-from vllm_kvcompress import longctx as lc  # noqa: E402
+from kvc_tools import longctx as lc  # noqa: E402
 
 try:
     lc.essay_sentences()
@@ -71,7 +71,7 @@ def test_seed_stable_across_processes():
 
     code = (
         "import importlib.util,sys;"
-        f"s=importlib.util.spec_from_file_location('m',{str(REPO / 'vllm_kvcompress' / 'longctx.py')!r});"
+        f"s=importlib.util.spec_from_file_location('m',{str(REPO / 'kvc_tools' / 'longctx.py')!r});"
         "m=importlib.util.module_from_spec(s);sys.modules['m']=m;s.loader.exec_module(m);"
         "print(m.generate_sample('niah_multikey',1024,1,seed=3,count_tokens=lambda t: len(t.split()))['outputs'])"
     )

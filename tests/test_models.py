@@ -1,4 +1,4 @@
-"""Tests for vllm_kvcompress.models (offline model preparation).
+"""Tests for kvc_tools.models (offline model preparation).
 
 Fast by default: the tiny model builds in under a second, and the SmolLM2 path
 is exercised with fake wheels and fake cache folders. The real GGUF conversion
@@ -19,7 +19,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from vllm_kvcompress import models  # noqa: E402
+from kvc_tools import models  # noqa: E402
 
 PKG_PARENT = str(Path(models.__file__).resolve().parents[1])
 
@@ -31,7 +31,7 @@ def _sha(path: Path) -> str:
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=PKG_PARENT)
     return subprocess.run(
-        [sys.executable, "-m", "vllm_kvcompress.models", *args],
+        [sys.executable, "-m", "kvc_tools.models", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -50,9 +50,9 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def test_import_is_light():
-    # The plugin imports this module in vLLM processes; it must not itself
-    # import vLLM (circular) nor torch/transformers (slow) at module level.
-    # Checked statically: a subprocess import pays for the package __init__.
+    # Tests, benchmarks and scripts import this module next to vLLM; it must
+    # not itself import vLLM nor torch/transformers (slow) at module level.
+    # Checked statically.
     tree = ast.parse(Path(models.__file__).read_text())
     top = set()
     for node in tree.body:
@@ -210,7 +210,7 @@ def test_cli_tiny_prints_path_last(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_module_entry_point(tmp_path):
-    # `python -m` end to end (slow only because the package __init__ imports vLLM).
+    # `python -m` end to end (slow: subprocesses that import torch/transformers).
     r = _run_cli("tiny", str(tmp_path / "cli"), "--layers", "1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == str((tmp_path / "cli").absolute())

@@ -15,7 +15,7 @@ import importlib.machinery
 import sys
 
 from .config import KVCompressConfig, KVCompressConfigError
-from .policies import POLICIES
+from .registry import POLICIES
 
 __version__ = "0.1.0"
 __all__ = ["KVCompressConfig", "KVCompressConfigError", "POLICIES", "enable", "stats"]

@@ -1,31 +1,13 @@
-"""Messages between scheduler and workers, and compression statistics.
+"""Compression statistics: per request and in total, kept by the scheduler.
 
-Plain data: pickled from the engine core to the workers with each step, and
-returned to clients by `vllm_kvcompress.stats()`.
+Plain data, returned to clients by `vllm_kvcompress.stats()` and written to
+the metrics snapshot.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-
-PLAN_ATTR = "kv_compress_plan"  # the StepPlan's attribute on vLLM's SchedulerOutput
-# On vLLM's ModelRunnerOutput: {request id: per-layer budgets} the worker
-# derived from the attention of a prompt that ended in that step.
-BUDGETS_ATTR = "kv_compress_layer_budgets"
-
-
-@dataclass
-class StepPlan:
-    """What the workers must do for the step it is attached to."""
-
-    # Requests whose compression state (re)starts: id -> (prefill length, config dict).
-    started: dict[str, tuple[int, dict]] = field(default_factory=dict)
-    # Compactions to run before the step's forward: (request id, old, new
-    # physical length), lengths per KV cache group.
-    ops: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
-    # logical - physical length per KV cache group of every scheduled request with a state.
-    evicted: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def per_layer(values) -> int | float:

@@ -2,7 +2,7 @@
 
 Worker and reference decoder both keep one `RequestCompression` per request.
 It tracks, per layer, the logical position of every cached token (per KV
-head: heads may keep different tokens) and the attention the policy has
+head: heads may keep different tokens) and the attention the scorer has
 accumulated for it, and turns a compaction order (keep N tokens) into the
 kept indices per (layer, KV head). Where the K/V themselves live (vLLM's paged
 cache, the reference's dense tensors) is the caller's business.
@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from .config import KVCompressConfig
-from .policies import Observation, Observe, Policy, rank_scores, select_keep, select_keep_per_head
+from .plan import CompressionPlan
+from .scorers import Observation, Observe
+from .selection import rank_scores, select_keep, select_keep_per_head
 
 
 class RequestCompression:
-    def __init__(
-        self, config: KVCompressConfig, prefill_len: int, num_layers: int,
-        num_kv_heads: int, num_q_heads: int,
-    ) -> None:
-        self.config = config
-        self.policy = config.make_policy()
-        self.prefill_len = prefill_len
-        self.budget = config.resolve_budget(prefill_len, self.policy.min_budget()) if config.enabled else None
+    def __init__(self, plan: CompressionPlan, num_layers: int, num_kv_heads: int, num_q_heads: int) -> None:
+        self.plan = plan
+        self.scorer = plan.scorer
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.group = num_q_heads // num_kv_heads
@@ -47,26 +43,20 @@ class RequestCompression:
     @property
     def needs_attention(self) -> bool:
         """Whether any query's attention can still influence a compression."""
-        mode = self.policy.observe
-        if mode is Observe.NOTHING or not self.config.enabled:
+        if self.scorer.observe is Observe.NOTHING:
             return False
-        # A prefill-time policy on a prompt within budget never compresses.
-        return self.policy.rolling or self.prefill_len > self.budget
-
-    @property
-    def plain_softmax_sums(self) -> bool:
-        """Whether observing is summing plain softmax rows (what fused kernels compute)."""
-        return (self.policy.observe is not Observe.LAST
-                and type(self.policy).transform_logits is Policy.transform_logits)
+        # Compressing once, a prompt within budget is never compressed.
+        return self.plan.trigger.rolling or self.plan.compresses_prompt
 
     def observed(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool mask over this step's queries (logical positions) to observe."""
-        mode = self.policy.observe
+        mode = self.scorer.observe
         if not self.needs_attention:
             return torch.zeros_like(q_positions, dtype=torch.bool)
         if mode is Observe.WINDOW:
-            start = self.prefill_len - self.policy.window_queries()
-            return (q_positions >= start) & (q_positions < self.prefill_len)
+            prompt_len = self.plan.prompt_len
+            start = prompt_len - self.scorer.window_queries()
+            return (q_positions >= start) & (q_positions < prompt_len)
         if mode is Observe.LAST:
             mask = torch.zeros_like(q_positions, dtype=torch.bool)
             mask[-1] = True
@@ -94,44 +84,54 @@ class RequestCompression:
         """[Hq, T] logical positions of the keys each query head attends."""
         return self.positions(layer).repeat_interleave(self.group, dim=0)
 
-    def observe(self, layer: int, logits: torch.Tensor, q_positions: torch.Tensor) -> None:
-        """Accumulate the attention of observed queries.
+    @property
+    def noisy(self) -> bool:
+        """Whether observed logits get the scorer's noise before the softmax."""
+        return self.scorer.noisy
 
-        logits: [Hq, n, T] scaled q.k over this layer's cached keys, already
-        masked with -inf where a query may not look (causality). They may live
-        on the accelerator; only the [Hq, T] sum comes back.
+    def logits_noise(self, layer: int, q_positions: torch.Tensor):
+        """The scorer's noise for these observed queries' logits (None: plain softmax)."""
+        return self.scorer.logits_noise(layer, q_positions.cpu(), self.key_positions(layer), self.num_compressions)
+
+    def observe(self, layer: int, logits: torch.Tensor, q_positions: torch.Tensor) -> None:
+        """Accumulate the attention of observed queries from their dense logits.
+
+        The reference decoder's path (the engine's goes through the kernel
+        ops). logits: [Hq, n, T] scaled q.k over this layer's cached keys,
+        already masked with -inf where a query may not look (causality).
         """
-        device = logits.device
-        logits = self.policy.transform_logits(
-            logits, layer, q_positions.to(device), self.key_positions(layer).to(device), self.num_compressions
-        )
+        noise = self.logits_noise(layer, q_positions)
+        if noise is not None:
+            logits = (logits + noise.noise.to(logits.device)) / noise.tau
         probs = torch.softmax(logits.to(torch.float32), dim=-1)
-        self.accumulate(layer, probs[:, -1] if self.policy.observe is Observe.LAST else probs.sum(dim=1))
+        self.accumulate(layer, probs[:, -1] if self.scorer.observe is Observe.LAST else probs.sum(dim=1))
 
     def accumulate(self, layer: int, attention: torch.Tensor) -> None:
         """Add this step's [Hq, T] attention (summed over its observed queries)."""
         attention = attention.to("cpu", torch.float32)
         acc = self.attention[layer]
-        if acc is None or self.policy.observe is Observe.LAST:
+        if acc is None or self.scorer.observe is Observe.LAST:
             self.attention[layer] = attention.clone()
         else:
             acc = _pad_tokens(acc, attention.shape[-1])
             acc += attention
             self.attention[layer] = acc
 
-    def prefill_observed(self, q_positions: torch.Tensor) -> bool:
-        """Whether these observed queries end the prompt (its window is complete)."""
-        return self.needs_attention and int(q_positions.max()) == self.prefill_len - 1
+    def reports_budgets(self, q_positions: torch.Tensor) -> bool:
+        """Whether these observed queries end a prompt whose layer budgets come from its attention."""
+        return (self.plan.allocation.from_attention and self.needs_attention
+                and int(q_positions.max()) == self.plan.prompt_len - 1)
 
-    def attention_budgets(self) -> list[int]:
-        """Per-layer budgets from the observed prompt attention (policies with
-        `budgets_from_attention`, once the prompt's window is observed).
+    def attention_budgets(self) -> tuple[int, ...]:
+        """Per-layer budgets from the observed prompt attention (allocations
+        `from_attention`, once the prompt has been observed).
 
         With per-head budgets a layer holds as many slots as its fullest head keeps.
         """
-        if self.policy.per_head_budgets:
-            return [int(self._ranked_counts(layer)[1].max()) for layer in range(self.num_layers)]
-        return self.policy.attention_budgets(self.attention, self.budget, self.prefill_len)
+        if self.plan.allocation.per_head:
+            return tuple(int(self._ranked_counts(layer)[1].max()) for layer in range(self.num_layers))
+        attention = [a if a is not None else torch.zeros(0) for a in self.attention]
+        return tuple(self.plan.allocation.attention_budgets(attention, self.plan.budget, self.scorer.min_budget()))
 
     def dead_slots(self, layer: int, num_slots: int) -> torch.Tensor | None:
         """[Hkv, num_slots] True where a head must not attend (None: nowhere)."""
@@ -145,10 +145,10 @@ class RequestCompression:
     def select(self, layer: int, keep: int) -> torch.Tensor:
         """[Hkv, keep] physical indices this layer keeps per head (hole-filling order).
 
-        A policy with `same_selection_in_every_layer` returns the same tensor
-        for every layer of one compaction (callers reuse what they derive from it).
+        A scorer that is the same in every layer returns the same tensor for
+        every layer of one compaction (callers reuse what they derive from it).
         """
-        if self.policy.same_selection_in_every_layer:
+        if self.scorer.same_in_every_layer and not self.plan.allocation.per_head:
             key = (self.num_compressions, keep)
             if self._shared_selection[0] != key:
                 self._shared_selection = (key, self._select(layer, keep))
@@ -156,21 +156,22 @@ class RequestCompression:
         return self._select(layer, keep)
 
     def _select(self, layer: int, keep: int) -> torch.Tensor:
-        if self.policy.per_head_budgets:
+        if self.plan.allocation.per_head:
             ranked, counts = self._ranked_counts(layer)
             keep_idx, dead = select_keep_per_head(ranked, counts, keep)
             self._dead_after[layer] = dead if dead.any() else None
             return keep_idx
         scores, positions = self._scores(layer)
-        sinks, recent = self.policy.protected(keep)
+        sinks, recent = self.scorer.protected(keep)
         return select_keep(scores, positions, keep, sinks, recent)
 
     def _ranked_counts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head policies: ranked scores [Hkv, T] and the tokens each head keeps."""
+        """Per-head budgets: ranked scores [Hkv, T] and the tokens each head keeps."""
         scores, positions = self._scores(layer)
-        sinks, recent = self.policy.protected(self.budget)
+        budget = self.plan.budget
+        sinks, recent = self.scorer.protected(budget)
         ranked = rank_scores(scores, positions, sinks, recent)
-        return ranked, self.policy.head_counts(ranked, self.budget)
+        return ranked, self.plan.allocation.head_counts(ranked, budget)
 
     def _scores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self.positions(layer)
@@ -182,10 +183,9 @@ class RequestCompression:
             positions=positions,
             num_kv_heads=self.num_kv_heads,
             layer=layer,
-            num_layers=self.num_layers,
             num_compressions=self.num_compressions,
         )
-        return self.policy.score(obs), positions
+        return self.scorer.score(obs), positions
 
     def compact(self, layer: int, keep_idx: torch.Tensor) -> None:
         """Move this layer's bookkeeping the way its K/V were moved."""
@@ -201,7 +201,7 @@ class RequestCompression:
         """All layers are compacted: the appended tail now lives in `_kept`."""
         self._tail_len = 0
         self.num_compressions += 1
-        if not self.policy.rolling:
+        if not self.plan.trigger.rolling:
             self.attention = [None] * self.num_layers  # never needed again
 
 

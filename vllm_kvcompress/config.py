@@ -5,9 +5,10 @@ recipe, `additional_config={"kv_compress": {...}}` and per-request
 `extra_args`, always through `from_dict`, so every entry point rejects the same
 mistakes with the same message.
 
-The dictionary form is flat: the common keys below plus the chosen policy's
-own parameters (the fields of its dataclass), e.g.
-`{"policy": "snapkv", "budget": 256, "window": 32}`.
+The dictionary form is flat: the common keys below plus the parameters of the
+policy's scorer, allocation and trigger (their dataclass fields), e.g.
+`{"policy": "snapkv", "budget": 256, "window": 32}` or
+`{"policy": "h2o", "allocation": "per_head", "trigger": "once", "budget": 256, "alpha": 0.5}`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .policies import POLICIES, Policy
+from .budgets import ALLOCATIONS
+from .registry import POLICIES, Components, component_classes
+from .scorers import SCORERS, Observe
+from .triggers import TRIGGERS
 
 CONFIG_KEY = "kv_compress"  # key inside vLLM's additional_config / extra_args
-COMMON_FIELDS = ("policy", "budget", "compression_ratio", "interval", "layer_groups")
+COMMON_FIELDS = ("policy", "allocation", "trigger", "budget", "compression_ratio", "interval", "layer_groups")
 ENGINE_FIELDS = ("layer_groups",)  # fixed at startup: a request cannot change them
 # Common fields other than `policy`, with their types (None when not given).
-_OPTIONAL_FIELDS = {"budget": int, "compression_ratio": float, "interval": int, "layer_groups": int}
+_OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "budget": int, "compression_ratio": float,
+                                     "interval": int, "layer_groups": int}
+_CHOICES = {"allocation": ALLOCATIONS, "trigger": TRIGGERS}
 
 
 # Short names accepted for fields (the CLI flag is --kv-compress-ratio).
@@ -40,18 +46,30 @@ def _fail(name: str, problem: str) -> KVCompressConfigError:
     return KVCompressConfigError(f"{CONFIG_KEY}.{name}: {problem}")
 
 
-def policy_params(policy: str) -> dict[str, dataclasses.Field]:
-    """The parameters (dataclass fields) of a registered policy, by name."""
-    return {f.name: f for f in dataclasses.fields(POLICIES[policy])}
+def composition_params(policy: str, allocation: str | None = None,
+                       trigger: str | None = None) -> dict[str, dataclasses.Field]:
+    """The parameters (dataclass fields) of a policy's scorer, allocation and trigger."""
+    return {f.name: f for cls in component_classes(policy, allocation, trigger) for f in dataclasses.fields(cls)}
 
 
-def all_policy_params() -> dict[str, dict[str, Any]]:
-    """Every policy parameter name -> {policy name: default}, for CLI flags."""
+def all_params() -> dict[str, dict[str, Any]]:
+    """Every parameter name -> {component name: default}, for CLI flags."""
     out: dict[str, dict[str, Any]] = {}
-    for name in sorted(POLICIES):
-        for f in dataclasses.fields(POLICIES[name]):
-            out.setdefault(f.name, {})[name] = f.default
+    for registry in (SCORERS, ALLOCATIONS, TRIGGERS):
+        for name in sorted(registry):
+            for f in dataclasses.fields(registry[name]):
+                out.setdefault(f.name, {})[name] = f.default
     return out
+
+
+def param_field(name: str) -> dataclasses.Field:
+    """The dataclass field behind a parameter name (the first component that has it)."""
+    for registry in (SCORERS, ALLOCATIONS, TRIGGERS):
+        for cls in registry.values():
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            if name in fields:
+                return fields[name]
+    raise KeyError(name)
 
 
 def _check_type(name: str, value: Any, expected: Any) -> Any:
@@ -65,6 +83,8 @@ def _check_type(name: str, value: Any, expected: Any) -> Any:
         ok = isinstance(value, py_type)
     if not ok:
         raise _fail(name, f"expected {py_type.__name__}, got {type(value).__name__} {value!r}")
+    if py_type is float and not math.isfinite(value):
+        raise _fail(name, f"must be a finite number, got {value!r}")
     return value
 
 
@@ -73,18 +93,21 @@ class KVCompressConfig:
     """How a request's KV cache is compressed."""
 
     policy: str = "none"
-    # Tokens kept per (layer, KV head) after compression, protected ones included.
+    # Overrides of the policy's budget allocation and trigger (None: the policy's own).
+    allocation: str | None = None
+    trigger: str | None = None
+    # Tokens kept per (layer, KV head) on average, protected ones included.
     budget: int | None = None
     # kvpress convention: the fraction removed (0.75 keeps 25% of the prompt).
     compression_ratio: float | None = None
-    # Rolling policies evict again once the cache has grown by this many tokens
+    # Rolling triggers evict again once the cache has grown by this many tokens
     # past the budget; None means one KV block (each eviction frees a block).
     interval: int | None = None
     # Engine setting: KV cache groups the layers are split into (contiguous
     # tiers of equal size), each with its own block table, so layers with
     # different budgets free their own blocks. None: one group.
     layer_groups: int | None = None
-    # The policy's own parameters, validated against its dataclass fields.
+    # The components' own parameters, validated against their dataclass fields.
     params: Mapping[str, Any] = field(default_factory=dict)
 
     # ------------------------------------------------------------ building
@@ -98,16 +121,29 @@ class KVCompressConfig:
             policy = "none"
         if not isinstance(policy, str) or policy not in POLICIES:
             raise _fail("policy", f"unknown policy {policy!r}; valid policies: {sorted(POLICIES)}")
-        params = policy_params(policy)
         common: dict[str, Any] = {}
         for name, expected in _OPTIONAL_FIELDS.items():
             value = data.pop(name, None)
             common[name] = None if value is None else _check_type(name, value, expected)
+            if name in _CHOICES and common[name] is not None and common[name] not in _CHOICES[name]:
+                raise _fail(name, f"unknown {name} {common[name]!r}; valid values: {sorted(_CHOICES[name])}")
+        if common["trigger"] is None and data.get("prompt_chunk") is not None:
+            # Shorthand: a prompt chunk streams the prompt; 0 means "do not stream".
+            if data["prompt_chunk"] == 0:
+                del data["prompt_chunk"]
+            else:
+                common["trigger"] = "streamed"
+        if policy == "none":
+            for name in ("allocation", "trigger"):
+                if common[name] is not None:
+                    raise _fail(name, "needs a policy other than 'none'")
+        params = composition_params(policy, common["allocation"], common["trigger"])
         unknown = sorted(k for k in data if k not in params)
         if unknown:
             raise _fail(
                 unknown[0],
-                f"unknown field for policy {policy!r}; valid fields: "
+                f"unknown field for policy {policy!r}"
+                f"{_describe(common['allocation'], common['trigger'])}; valid fields: "
                 f"{list(COMMON_FIELDS) + sorted(params)}",
             )
         typed = {k: _check_type(k, v, params[k].type) for k, v in data.items() if v is not None}
@@ -131,10 +167,12 @@ class KVCompressConfig:
     def merged(self, overrides: Mapping[str, Any], startup: bool = False) -> KVCompressConfig:
         """This config with `overrides` applied (e.g. a request's extra_args).
 
-        Switching policy drops the old policy's parameters (switching to
-        `none` drops everything); giving `budget` drops an inherited
-        `compression_ratio` and vice versa. Engine fields carry over, and only
-        `startup` overrides (CLI flags over a recipe) may change them.
+        Switching policy drops the old policy's parameters and component
+        overrides (switching to `none` drops everything); switching allocation
+        or trigger drops inherited parameters the new composition does not
+        have; giving `budget` drops an inherited `compression_ratio` and vice
+        versa. Engine fields carry over, and only `startup` overrides (CLI
+        flags over a recipe) may change them.
         """
         overrides = dict(overrides)
         engine = {name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None}
@@ -149,6 +187,12 @@ class KVCompressConfig:
             base = {}  # off: nothing to inherit
         elif policy != self.policy:
             base = {k: base[k] for k in ("budget", "compression_ratio", "interval") if k in base}
+        elif any(k in overrides for k in ("allocation", "trigger")) and policy in POLICIES:
+            allocation = overrides.get("allocation", self.allocation)
+            trigger = overrides.get("trigger", self.trigger)
+            kept = composition_params(policy, allocation if allocation in ALLOCATIONS else None,
+                                      trigger if trigger in TRIGGERS else None)
+            base = {k: v for k, v in base.items() if k in COMMON_FIELDS or k in kept}
         if "budget" in overrides:
             base.pop("compression_ratio", None)
         if "compression_ratio" in overrides:
@@ -166,22 +210,34 @@ class KVCompressConfig:
     # ------------------------------------------------------------ checking
 
     def validate(self) -> None:
-        policy = self.make_policy()  # runs the policy's own field checks
+        parts = self.components()  # runs the components' own field checks
         if self.interval is not None and self.interval < 1:
             raise _fail("interval", f"must be >= 1 token, got {self.interval}")
         if self.layer_groups is not None and self.layer_groups < 1:
             raise _fail("layer_groups", f"must be >= 1, got {self.layer_groups}")
-        if policy.per_layer_budgets and self.num_layer_groups == 1:
-            raise _fail(
-                "layer_groups",
-                f"policy {self.policy!r} gives layers different budgets, which frees memory only "
-                "with per-layer KV cache groups: start the engine with --kv-compress-layer-groups "
-                "set to the number of layers (one group each) or a divisor of it (tiers)",
-            )
-        if not self.enabled:
+        if parts is None:
             if self.budget is not None or self.compression_ratio is not None:
                 raise _fail("policy", "a budget or compression_ratio needs a policy other than 'none'")
             return
+        scorer, allocation, trigger = parts.scorer, parts.allocation, parts.trigger
+        if allocation.per_layer and self.num_layer_groups == 1:
+            raise _fail(
+                "layer_groups",
+                f"allocation {allocation.name!r} (policy {self.policy!r}) gives layers different budgets, "
+                "which frees memory only with per-layer KV cache groups: start the engine with "
+                "--kv-compress-layer-groups set to the number of layers (one group each) or a divisor "
+                "of it (tiers)",
+            )
+        if allocation.from_attention and scorer.observe is Observe.NOTHING:
+            raise _fail("allocation", f"{allocation.name!r} shares the budget by observed attention; scorer "
+                                      f"{scorer.name!r} observes none; valid with it: ['pyramid', 'uniform']")
+        if allocation.per_head and trigger.rolling:
+            raise _fail("trigger", f"allocation 'per_head' compresses once (per-head masks are not re-derived "
+                                   f"while rolling); use trigger 'once', not {trigger.name!r}")
+        if trigger.chunk_size() and scorer.observe is not Observe.NOTHING:
+            raise _fail("trigger", f"'streamed' evicts mid-prompt, which only scorers that observe no attention "
+                                   f"can do (streamingllm, window, random); scorer {scorer.name!r} observes "
+                                   f"{scorer.observe.value} queries")
         if (self.budget is None) == (self.compression_ratio is None):
             raise _fail(
                 "budget",
@@ -190,12 +246,12 @@ class KVCompressConfig:
             )
         if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
             raise _fail("compression_ratio", f"must be in [0, 1), got {self.compression_ratio}")
-        if self.budget is not None and self.budget < policy.min_budget():
+        if self.budget is not None and self.budget < scorer.min_budget():
             raise _fail(
                 "budget",
-                f"{self.budget} is below the {policy.min_budget()} tokens that policy "
+                f"{self.budget} is below the {scorer.min_budget()} tokens that policy "
                 f"{self.policy!r} always keeps (protected sinks/window); use a budget "
-                f">= {policy.min_budget()} or shrink the protected tokens",
+                f">= {scorer.min_budget()} or shrink the protected tokens",
             )
 
     # ------------------------------------------------------------ using
@@ -208,20 +264,36 @@ class KVCompressConfig:
     def num_layer_groups(self) -> int:
         return self.layer_groups or 1
 
-    def make_policy(self) -> Policy:
+    def components(self) -> Components | None:
+        """The scorer, allocation and trigger with their parameters (None: compression off)."""
+        classes = component_classes(self.policy, self.allocation, self.trigger)
+        if not classes:
+            return None
+        params = {**POLICIES[self.policy].defaults, **self.params}
         try:
-            policy = POLICIES[self.policy](**self.params)
-            policy.validate()
-        except ValueError as e:  # the policy names its own field
-            raise KVCompressConfigError(f"{CONFIG_KEY}: {e}") from None
-        return policy
+            parts = []
+            for cls in classes:
+                names = {f.name for f in dataclasses.fields(cls)}
+                part = cls(**{k: v for k, v in params.items() if k in names})
+                part.validate()
+                parts.append(part)
+        except ValueError as e:  # the component names its own field: "window must be ..."
+            name, _, problem = str(e).partition(" ")
+            raise _fail(name, problem) from None
+        return Components(*parts)
 
     def resolve_budget(self, prompt_len: int, min_budget: int) -> int:
         """Tokens kept for a request with `prompt_len` prompt tokens."""
         if self.budget is not None:
             return self.budget
+        assert self.compression_ratio is not None
         removed = math.floor(prompt_len * self.compression_ratio)
         return max(prompt_len - removed, min_budget)
+
+
+def _describe(allocation: str | None, trigger: str | None) -> str:
+    given = [f"{k} {v!r}" for k, v in (("allocation", allocation), ("trigger", trigger)) if v is not None]
+    return f" with {', '.join(given)}" if given else ""
 
 
 def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | None:

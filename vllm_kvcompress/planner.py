@@ -1,9 +1,10 @@
 """When a request is compressed and to how many tokens: pure bookkeeping.
 
 The scheduler (which frees blocks), the worker (which compacts) and the
-reference decoder (the test oracle) all follow this one state machine, so they
-agree on every compression without talking to each other. The decision needs
-only lengths; which tokens survive is the policy's business, in the worker.
+reference decoder (the test oracle) all follow this one state machine over
+the request's `CompressionPlan`, so they agree on every compression without
+talking to each other. The decision needs only lengths; which tokens survive
+is the scorer's and the selection's business, in the worker.
 
 Lengths: *logical* counts every token the request has seen (RoPE positions,
 vLLM's `num_computed_tokens`); *physical* counts the cache slots it holds.
@@ -14,8 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import KVCompressConfig
-from .policies import Policy
+from .plan import CompressionPlan
 
 
 def cdiv(a: int, b: int) -> int:
@@ -42,40 +42,37 @@ class RequestState:
     hold different physical lengths.
     """
 
-    config: KVCompressConfig
-    policy: Policy
-    prompt_len: int
+    plan: CompressionPlan | None  # None: compression off
+    group_of_layer: list[int] = field(default_factory=lambda: [0])
     budgets: tuple[int, ...] | None = None  # per group; None: compression off
     num_evicted: list[int] = field(default_factory=lambda: [0])  # per group
     num_compressions: int = 0
     prefill_checked: bool = False
-    group_of_layer: list[int] = field(default_factory=lambda: [0])
-    # The policy derives per-layer budgets from the prompt's attention: the
+    # The allocation derives layer budgets from the prompt's attention: the
     # worker reports them at prefill end (`set_layer_budgets`).
     budgets_pending: bool = False
 
     @classmethod
-    def create(cls, config: KVCompressConfig, prompt_len: int, group_of_layer: list[int] | None = None) -> RequestState:
+    def create(cls, plan: CompressionPlan | None, group_of_layer: list[int] | None = None) -> RequestState:
         """`group_of_layer`: the engine's layer -> KV cache group map (default: one group)."""
         group_of_layer = group_of_layer or [0]
-        policy = config.make_policy()
-        state = cls(config=config, policy=policy, prompt_len=prompt_len, group_of_layer=group_of_layer,
-                    num_evicted=[0] * (max(group_of_layer) + 1))
-        if config.enabled:
-            budget = config.resolve_budget(prompt_len, policy.min_budget())
-            # A prompt within budget is never compressed, whatever the policy.
-            state.budgets_pending = policy.budgets_from_attention and prompt_len > budget
-            # While pending, these (uniform, for such policies) stand in: nothing
-            # reads them before prefill ends, as such policies do not stream the prompt.
-            state.budgets = state._group_budgets(policy.layer_budgets(budget, len(group_of_layer), prompt_len))
+        state = cls(plan=plan, group_of_layer=group_of_layer, num_evicted=[0] * (max(group_of_layer) + 1))
+        if plan is not None:
+            if len(plan.layer_budgets) != len(group_of_layer):
+                raise ValueError(f"kv_compress: a plan for {len(plan.layer_budgets)} layers on "
+                                 f"{len(group_of_layer)} layers")
+            state.budgets_pending = plan.allocation.from_attention and plan.compresses_prompt
+            # While pending, the plan's stand-ins are never read: such
+            # allocations need attention, so their prompts are not streamed.
+            state.budgets = state._group_budgets(plan.layer_budgets)
         return state
 
-    def _group_budgets(self, per_layer: list[int]) -> tuple[int, ...]:
+    def _group_budgets(self, per_layer) -> tuple[int, ...]:
         # A group's layers share one block table, so they keep its largest budget.
         return tuple(max(b for b, g in zip(per_layer, self.group_of_layer) if g == group)
                      for group in range(len(self.num_evicted)))
 
-    def set_layer_budgets(self, per_layer: list[int]) -> None:
+    def set_layer_budgets(self, per_layer) -> None:
         """The per-layer budgets the worker derived from the prompt's attention."""
         if len(per_layer) != len(self.group_of_layer):
             raise ValueError(f"kv_compress: {len(per_layer)} layer budgets for {len(self.group_of_layer)} layers")
@@ -85,29 +82,29 @@ class RequestState:
     def physical(self, logical_len: int) -> tuple[int, ...]:
         return tuple(logical_len - e for e in self.num_evicted)
 
-    def next_compression(self, logical_len: int, interval: int) -> tuple[int, ...] | None:
+    def next_compression(self, logical_len: int) -> tuple[int, ...] | None:
         """Physical length per group to compress to before the next token is written.
 
         `logical_len` is the number of tokens whose KV is in the cache. Called
         once per scheduling step; returns None when nothing is to be evicted.
         """
-        if self.budgets is None:
+        if self.plan is None or self.budgets is None:
             return None
         physical = self.physical(logical_len)
         over = [p - b for p, b in zip(physical, self.budgets)]
         targets = tuple(min(p, b) for p, b in zip(physical, self.budgets))
-        if logical_len < self.prompt_len:
+        if logical_len < self.plan.prompt_len:
             # Still prefilling: only a streamed prompt evicts, at chunk ends.
-            chunk = self._prompt_chunk()
+            chunk = self.plan.trigger.chunk_size()
             return targets if chunk and max(over) >= chunk else None
         if not self.prefill_checked:
-            # Prefill just ended: every policy compresses an over-budget prompt.
+            # Prefill just ended: every trigger compresses an over-budget prompt.
             if self.budgets_pending:
-                raise RuntimeError(f"kv_compress: the {self.policy.name} layer budgets of this request "
+                raise RuntimeError(f"kv_compress: the {self.plan.allocation.name} layer budgets of this request "
                                    f"were not reported at the end of its prefill")
             self.prefill_checked = True
             return targets if max(over) > 0 else None
-        if self.policy.rolling and max(over) >= interval:
+        if self.plan.trigger.rolling and max(over) >= self.plan.interval:
             return targets
         return None
 
@@ -118,25 +115,21 @@ class RequestState:
         that every run (any batch, any chunking) evicts at the same tokens.
         """
         chunk = self._prompt_chunk()
-        if not chunk or logical_len >= self.prompt_len:
+        if not chunk or self.plan is None or self.budgets is None or logical_len >= self.plan.prompt_len:
             return None
         return max(min(b + chunk - p for p, b in zip(self.physical(logical_len), self.budgets)), 0)
 
-    def max_physical(self, block_size: int) -> int | None:
+    def max_physical(self) -> int | None:
         """Most tokens a streamed prompt ever holds (None: not bounded before prefill ends)."""
         chunk = self._prompt_chunk()
-        if not chunk:
+        if not chunk or self.plan is None or self.budgets is None:
             return None
-        return max(self.budgets) + max(chunk, self.interval(block_size))
+        return max(self.budgets) + max(chunk, self.plan.interval)
 
     def _prompt_chunk(self) -> int:
-        """The streamed prompt's chunk; 0 when the prompt is not streamed (or compression is off)."""
-        return self.policy.prompt_chunk_size() if self.budgets is not None else 0
+        return 0 if self.plan is None else self.plan.trigger.chunk_size()
 
     def commit(self, logical_len: int, targets: tuple[int, ...]) -> None:
         """Record a compression to these physical lengths."""
         self.num_evicted = [logical_len - t for t in targets]
         self.num_compressions += 1
-
-    def interval(self, block_size: int) -> int:
-        return self.config.interval or block_size

@@ -2,13 +2,14 @@
 
 A Llama forward pass written out with an explicit, dense KV cache per layer
 (`[num_kv_heads, T, head_dim]`, keys after RoPE). Attention probabilities are
-computed explicitly, used for the output and, for the queries the policy
+computed explicitly, used for the output and, for the queries the scorer
 observes, fed to the same `RequestCompression` bookkeeping the worker uses.
 Compressions happen exactly when the planner says (the scheduler's state
 machine), so greedy tokens must equal vLLM's with the plugin.
 
-It shares with the engine only the policy math and the planner; attention,
-RoPE, caching and compaction are independent code.
+It shares with the engine only the plan, the scorers' math, the selection
+and the planner; attention, attention scores, RoPE, caching and compaction are
+independent code.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from .compression import RequestCompression
 from .config import KVCompressConfig
+from .plan import resolve_plan
 from .planner import RequestState, layer_groups
 
 
@@ -93,7 +95,7 @@ class ReferenceDecoder:
         self, prompt: list[int], max_new_tokens: int, config: KVCompressConfig | None = None,
         block_size: int = 32,
     ) -> dict:
-        """Greedy tokens with the policy applied on the planner's schedule.
+        """Greedy tokens with the config's compression applied on the planner's schedule.
 
         Returns tokens, the kept logical positions per layer at the end, the
         physical cache length after every compression, and per layer the
@@ -103,17 +105,18 @@ class ReferenceDecoder:
         cache = self._empty_cache()
         # The engine's KV cache groups: a group's layers share one length.
         group_of_layer = layer_groups(self.num_layers, config.num_layer_groups)
-        plan = RequestState.create(config, len(prompt), group_of_layer)
+        resolved = resolve_plan(config, len(prompt), self.num_layers, block_size)
+        plan = RequestState.create(resolved, group_of_layer)
         state = None
-        if config.enabled:
-            state = RequestCompression(config, len(prompt), self.num_layers, self.num_kv_heads, self.num_q_heads)
+        if resolved is not None:
+            state = RequestCompression(resolved, self.num_layers, self.num_kv_heads, self.num_q_heads)
         lengths = []
-        interval = plan.interval(block_size)
 
         def compress_if_due(logical: int) -> None:
-            targets = plan.next_compression(logical, interval)
+            targets = plan.next_compression(logical)
             if targets is None:
                 return
+            assert state is not None
             for layer in range(self.num_layers):
                 keep = state.select(layer, targets[group_of_layer[layer]])
                 keys, values = cache[layer]
@@ -125,7 +128,7 @@ class ReferenceDecoder:
             lengths.append(targets[0] if len(targets) == 1 else targets)
 
         # The prompt in the chunks the planner allows (one chunk unless the
-        # policy streams the prompt), each preceded by any eviction due.
+        # trigger streams the prompt), each preceded by any eviction due.
         logical = 0
         while logical < len(prompt):
             compress_if_due(logical)
@@ -134,6 +137,7 @@ class ReferenceDecoder:
             logits = self._forward(prompt[logical:end], torch.arange(logical, end), cache, state)
             logical = end
         if plan.budgets_pending:  # the worker reports these at prefill end
+            assert state is not None
             plan.set_layer_budgets(state.attention_budgets())
         tokens = [int(logits.argmax())]
         while len(tokens) < max_new_tokens:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_kvcompress.kernels import OP_NAMES, get_ops, reference as ref
-from vllm_kvcompress.policies.base import hole_filling_order
+from vllm_kvcompress.selection import hole_filling_order
 
 try:
     import triton  # noqa: F401
@@ -293,14 +293,14 @@ def test_reference_compact_vs_naive(pattern, per_head, hole_filling):
     assert torch.equal(k.cpu(), wk) and torch.equal(v.cpu(), wv) and torch.equal(scores.cpu(), ws)
 
 
-def test_reference_compact_single_request_and_checks():
+def test_reference_compact_one_request_and_checks():
     gen = torch.Generator().manual_seed(7)
     k, v, bt = make_paged(gen, [30], 2, 8, 16, F32)
-    keep = torch.tensor([[0, 5, 6, 29], [1, 2, 3, 4]])
-    scores = torch.rand(4, 30, generator=gen)
-    wk, wv, ws = naive_compact(k, v, bt, keep[None], None, scores[None])
-    ref.compact_kv(k, v, bt[0], keep, scores=scores)
-    assert torch.equal(k.cpu(), wk) and torch.equal(v.cpu(), wv) and torch.equal(scores, ws[0])
+    keep = torch.tensor([[0, 5, 6, 29], [1, 2, 3, 4]], device=DEVICE)
+    scores = torch.rand(4, 30, generator=gen).to(DEVICE)
+    wk, wv, ws = naive_compact(k, v, bt, keep[None].cpu(), None, scores[None].cpu())
+    ref.compact_kv_batched(k, v, bt, keep[None], scores=scores[None])
+    assert torch.equal(k.cpu(), wk) and torch.equal(v.cpu(), wv) and torch.equal(scores.cpu(), ws[0])
     ref.check_keep_idx(torch.tensor([[0, 7, 2, 5]]))  # hole-filling
     with pytest.raises(ValueError):
         ref.check_keep_idx(torch.tensor([[0, 3, 2, 5]]))  # neither ascending nor hole-filling
@@ -349,11 +349,6 @@ def test_triton_window_scores(g, d, bs, dtype):
     got = tk().window_scores_batched(*args, scale, out=out0.clone().to(DEVICE), max_q_len=max(ws),
                                       split_len=32, block_n=16, max_rows=16)
     torch.testing.assert_close(got, want, **TOL[dtype])
-    # single-request wrapper
-    b = 3
-    one_t = tk().window_scores(args[0][cu[b] : cu[b + 1]], k, bt[b], lens[b], args[5][cu[b] : cu[b + 1]], scale)
-    one_r = ref.window_scores(args[0][cu[b] : cu[b + 1]], k, bt[b], lens[b], args[5][cu[b] : cu[b + 1]], scale)
-    torch.testing.assert_close(one_t, one_r, **TOL[dtype])
 
 
 @needs_triton
@@ -446,16 +441,16 @@ def test_triton_compact(g, d, bs, dtype, pattern, per_head, with_scores, hole_fi
 
 
 @needs_triton
-def test_triton_compact_single_and_no_zero_tail():
+def test_triton_compact_one_request_and_no_zero_tail():
     gen = torch.Generator().manual_seed(13)
     k, v, bt = make_paged(gen, [50], 2, 64, 16, BF16)
     keep = torch.stack([torch.randperm(50, generator=gen)[:20].sort().values for _ in range(2)]).to(DEVICE)
-    sc = torch.rand(6, 50, generator=gen).to(DEVICE)
+    sc = torch.rand(1, 6, 50, generator=gen).to(DEVICE)
     k2, v2, sc2 = k.clone(), v.clone(), sc.clone()
-    ref.compact_kv(k, v, bt[0], keep, scores=sc, zero_score_tail=False)
-    tk().compact_kv(k2, v2, bt[0], keep, scores=sc2, zero_score_tail=False)
+    ref.compact_kv_batched(k, v, bt, keep[None], scores=sc, zero_score_tail=False)
+    tk().compact_kv_batched(k2, v2, bt, keep[None], scores=sc2, zero_score_tail=False)
     assert torch.equal(k, k2) and torch.equal(v, v2) and torch.equal(sc, sc2)
-    assert torch.equal(sc[:, 20:], sc2[:, 20:])
+    assert torch.equal(sc[..., 20:], sc2[..., 20:])
 
 
 # ---------------------------------------------------------------------------------------

@@ -13,10 +13,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import (
-    CONFIG_KEY, FIELD_ALIASES, KVCompressConfig, KVCompressConfigError, all_policy_params, request_overrides,
+    CONFIG_KEY, FIELD_ALIASES, KVCompressConfig, KVCompressConfigError, all_params, param_field, request_overrides,
 )
+from ..budgets import ALLOCATIONS
 from ..planner import layer_groups
-from ..policies import POLICIES
+from ..registry import POLICIES
+from ..triggers import TRIGGERS
 from . import metrics
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
@@ -26,25 +28,29 @@ GROUP = "KVCompress"
 
 # CLI flag suffix / keyword suffix -> config field.
 _COMMON_OPTIONS = {
+    "allocation": ("allocation", str, f"how the budget is spread over layers and KV heads, one of "
+                   f"{sorted(ALLOCATIONS)} (default: the policy's own; pyramid and adaptive need layer groups)"),
+    "trigger": ("trigger", str, f"when a request compresses, one of {sorted(TRIGGERS)} (default: the "
+                f"policy's own; --kv-compress-prompt-chunk N alone selects streamed)"),
     "budget": ("budget", int, "tokens kept per (layer, KV head), protected tokens included"),
     "ratio": ("compression_ratio", float, "fraction of the prompt removed, in [0, 1) (kvpress convention)"),
     "interval": ("interval", int, "rolling policies evict again after this many new tokens (default: one KV block)"),
     "layer-groups": ("layer_groups", int, "KV cache groups the layers are split into, each with its own block "
                      "table (the number of layers, or a divisor: contiguous tiers); needed by per-layer budgets "
-                     "(pyramidkv, adaptive) to free memory per layer (default: 1)"),
+                     "(pyramid and adaptive allocations) to free memory per layer (default: 1)"),
 }
 
 
 def _param_options() -> dict[str, tuple[str, type, str]]:
-    """One option per policy parameter, help listing each policy's default."""
+    """One option per component parameter, help listing each component's default."""
     out = {}
-    for name, defaults in all_policy_params().items():
-        policy_cls = POLICIES[next(iter(defaults))]
-        f = policy_cls.__dataclass_fields__[name]
+    for name, defaults in all_params().items():
+        f = param_field(name)
         shown = ", ".join(f"{p} {d}" for p, d in defaults.items())
         choices = f.metadata.get("choices")
         text = f.metadata.get("help", name) + (f" {{{', '.join(choices)}}}" if choices else "")
-        out[name.replace("_", "-")] = (name, f.type, f"{text} (default: {shown})")
+        type_ = {"int": int, "float": float, "str": str}.get(f.type, f.type)  # type: ignore[call-overload]
+        out[name.replace("_", "-")] = (name, type_, f"{text} (default: {shown})")
     return out
 
 

@@ -6,10 +6,15 @@ to the largest layer's. With `layer_groups` set, the engine core builds that
 many groups instead (contiguous tiers of equal size over one block pool, the
 way vLLM's hybrid manager runs sliding-window models), and each group's
 physical length follows its own budget.
+
+Split or not, the groups leave here with `CompressedAttentionSpec` (see
+block_manager.py), so that vLLM gives each one a manager that allocates by
+physical length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError
@@ -35,22 +40,45 @@ def wrap_get_kv_cache_groups(original):
     def get_kv_cache_groups(vllm_config, kv_cache_spec):
         groups = original(vllm_config, kv_cache_spec)
         raw = (vllm_config.additional_config or {}).get(CONFIG_KEY)
-        wanted = KVCompressConfig.from_dict(raw).num_layer_groups if raw is not None else 1
-        if wanted == 1:
+        if raw is None:
             return groups
         from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        from .block_manager import compressed_spec, register_compressed_spec
+
+        register_compressed_spec(vllm_config)
+
+        def compressed(spec):
+            # Exactly FullAttentionSpec: its subclasses (MLA, sinks, ...) lay
+            # out or manage their cache their own way (engine_args refuses them).
+            if type(spec) is FullAttentionSpec:
+                return compressed_spec(spec)
+            if isinstance(spec, UniformTypeKVCacheSpecs) and all(
+                    type(s) is FullAttentionSpec for s in spec.kv_cache_specs.values()):
+                # Layers of different shapes in one group: the scheduler's
+                # config keeps one of them, the workers each layer's own.
+                return dataclasses.replace(
+                    spec, kv_cache_specs={n: compressed_spec(s) for n, s in spec.kv_cache_specs.items()})
             raise KVCompressConfigError(
-                f"{CONFIG_KEY}.layer_groups: needs one group of full-attention layers to split, "
+                f"{CONFIG_KEY}: needs full-attention KV cache groups, "
                 f"this model has {[type(g.kv_cache_spec).__name__ for g in groups]}")
-        names = sorted(groups[0].layer_names, key=layer_index)
-        try:
-            tiers = layer_groups(len(names), wanted)
-        except ValueError as e:
-            raise KVCompressConfigError(str(e)) from None
-        partition = [[n for n, t in zip(names, tiers) if t == g] for g in range(wanted)]
-        return create_kv_cache_group_specs(kv_cache_spec, partition)
+
+        wanted = KVCompressConfig.from_dict(raw).num_layer_groups
+        if wanted != 1:
+            if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+                raise KVCompressConfigError(
+                    f"{CONFIG_KEY}.layer_groups: needs one group of full-attention layers to split, "
+                    f"this model has {[type(g.kv_cache_spec).__name__ for g in groups]}")
+            names = sorted(groups[0].layer_names, key=layer_index)
+            try:
+                tiers = layer_groups(len(names), wanted)
+            except ValueError as e:
+                raise KVCompressConfigError(str(e)) from None
+            partition = [[n for n, t in zip(names, tiers) if t == g] for g in range(wanted)]
+            groups = create_kv_cache_group_specs(kv_cache_spec, partition)
+        # The spec picks the manager (vLLM's KVCacheSpecRegistry): this one
+        # allocates by physical length and frees evicted tails.
+        return [dataclasses.replace(g, kv_cache_spec=compressed(g.kv_cache_spec)) for g in groups]
 
     return get_kv_cache_groups

@@ -12,10 +12,14 @@ Subclasses that vLLM instantiates for us (not patches):
     overrides `schedule` (plan compressions first), `update_from_output` (take
     the layer budgets a worker derived from attention), `_reserve_prefill_lookahead`
     (end a streamed prompt's chunk at its next eviction) and
-    `_free_request_blocks` (where finish, abort and preemption drop the state);
-    on its own instances only, wraps each KV cache group's
-    `SingleTypeKVCacheManager.get_num_blocks_to_allocate`/`allocate_new_blocks`
-    so that allocation counts that group's physical, not logical, tokens.
+    `_free_request_blocks` (where finish, abort and preemption drop the state).
+  - vllm.v1.kv_cache_interface.FullAttentionSpec and
+    vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager ->
+    block_manager.CompressedAttentionSpec/CompressedAttentionManager,
+    registered through vLLM's `KVCacheSpecRegistry` (its extension point for
+    KV cache specs) and swapped into the KV cache groups by the
+    `get_kv_cache_groups` wrapper below; the manager allocates by a request's
+    physical, not logical, length and frees its evicted tail blocks.
   - vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend/Impl ->
     attention.KVCompressCPUBackend/Impl, registered for CPU_ATTN on CPU;
     vllm.v1.attention.backends.flash_attn.FlashAttentionBackend/Impl ->

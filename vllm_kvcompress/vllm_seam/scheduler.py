@@ -15,9 +15,11 @@ import os
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ..accounting import CompressionStats
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
-from ..planner import RequestState, cdiv
-from ..accounting import BUDGETS_ATTR, PLAN_ATTR, CompressionStats, StepPlan
+from ..plan import BUDGETS_ATTR, PLAN_ATTR, Compaction, ReportedBudgets, StartedRequest, StepPlan, resolve_plan
+from ..planner import RequestState
+from .block_manager import CompressedAttentionManager
 from .groups import group_of_layer
 from .metrics import RatioHistogram, SnapshotWriter
 
@@ -41,48 +43,19 @@ class KVCompressScheduler(Scheduler):
         self.kvc_block_size = groups[0].kv_cache_spec.block_size
         self.kvc_states: dict[str, RequestState] = {}
         self.kvc_stats = CompressionStats(total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
-        self._kvc_started: dict[str, tuple[int, dict]] = {}
+        self._kvc_started: dict[str, StartedRequest] = {}
         self._kvc_snapshot = SnapshotWriter("scheduler")
         self._kvc_ratios = RatioHistogram()  # finished compressed requests, for /metrics
         self._kvc_managers = self.kv_cache_manager.coordinator.single_type_managers
         for group, manager in enumerate(self._kvc_managers):
-            self._count_physical_slots(manager, group)
+            # vLLM picks it from the groups' CompressedAttentionSpec (groups.py).
+            if not isinstance(manager, CompressedAttentionManager):
+                raise RuntimeError(
+                    f"kv_compress: KV cache group {group} is managed by {type(manager).__name__} "
+                    f"(spec {type(groups[group].kv_cache_spec).__name__}), not CompressedAttentionManager"
+                )
         logger.info("kv_compress scheduler ready (pid %d): %s, block %d, %d KV cache group(s)",
                     os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size, len(groups))
-
-    def _count_physical_slots(self, manager, group: int) -> None:
-        """Make this group's block allocation count physical, not logical, tokens.
-
-        Wraps the instance's methods (not the class), so other engines in the
-        process stay untouched.
-        """
-        num_blocks, allocate = manager.get_num_blocks_to_allocate, manager.allocate_new_blocks
-
-        def evicted(request_id: str) -> int:
-            state = self.kvc_states.get(request_id)
-            return 0 if state is None else state.num_evicted[group]
-
-        def get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                                       num_local_computed_tokens, num_tokens_main_model, **kwargs):
-            e = evicted(request_id)
-            num_tokens, num_tokens_main_model = num_tokens - e, num_tokens_main_model - e
-            if kwargs.get("apply_admission_cap"):
-                # vLLM admits a request only if its whole prompt fits (as it
-                # caps sliding-window requests at their window): a streamed
-                # prompt never holds more than its cap.
-                state = self.kvc_states.get(request_id)
-                cap = None if state is None else state.max_physical(self.kvc_block_size)
-                if cap is not None:
-                    num_tokens, num_tokens_main_model = min(num_tokens, cap), min(num_tokens_main_model, cap)
-            return num_blocks(request_id, num_tokens, new_computed_blocks, total_computed_tokens,
-                              num_local_computed_tokens, num_tokens_main_model, **kwargs)
-
-        def allocate_new_blocks(request_id, num_tokens, num_tokens_main_model):
-            e = evicted(request_id)
-            return allocate(request_id, num_tokens - e, num_tokens_main_model - e)
-
-        manager.get_num_blocks_to_allocate = get_num_blocks_to_allocate
-        manager.allocate_new_blocks = allocate_new_blocks
 
     # ---------------------------------------------------------------- steps
 
@@ -95,33 +68,33 @@ class KVCompressScheduler(Scheduler):
             config = self.kvc_config.merged(overrides) if overrides else self.kvc_config
             # A resumed (preempted) request re-prefills its outputs too.
             prefill_len = max(request.num_prompt_tokens, request.num_tokens - 1)
-            state = RequestState.create(config, prefill_len, self.kvc_group_of_layer)
+            # Resolved once, here: the workers get this very plan.
+            plan = resolve_plan(config, prefill_len, len(self.kvc_group_of_layer), self.kvc_block_size)
+            state = RequestState.create(plan, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
-            self._kvc_started[request.request_id] = (prefill_len, config.to_dict())
+            cap = state.max_physical()
+            for manager in self._kvc_managers:
+                manager.set_admission_cap(request.request_id, cap)
+            self._kvc_started[request.request_id] = StartedRequest(request.request_id, plan)
             self.kvc_stats.start(request.request_id, prefill_len, config.policy)
         return state
 
-    def _plan_compressions(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
-        pool = self.kv_cache_manager.block_pool
+    def _plan_compressions(self) -> list[Compaction]:
         ops = []
         for request in self.running:
             state = self._request_state(request)
             logical = request.num_computed_tokens
-            targets = state.next_compression(logical, state.interval(self.kvc_block_size))
+            targets = state.next_compression(logical)
             if targets is None:
                 continue
             old = state.physical(logical)
             freed = held = 0
             for manager, target in zip(self._kvc_managers, targets):
-                blocks = manager.req_to_blocks[request.request_id]
-                keep_blocks = cdiv(target, self.kvc_block_size)
-                tail = blocks[keep_blocks:]
-                del blocks[keep_blocks:]
-                pool.free_blocks(reversed(tail))
-                freed, held = freed + len(tail), held + keep_blocks
+                f, h = manager.evict_tail(request.request_id, logical, target)
+                freed, held = freed + f, held + h
             state.commit(logical, targets)
             self.kvc_stats.compressed(request.request_id, old, targets, freed, held)
-            ops.append((request.request_id, old, targets))
+            ops.append(Compaction(request.request_id, old, targets))
         return ops
 
     def schedule(self, *args, **kwargs):
@@ -133,26 +106,27 @@ class KVCompressScheduler(Scheduler):
             self._request_state(self.requests[rid])
         # A request preempted in this step already gave back all its blocks;
         # its state (and any op) is gone.
-        ops = [op for op in ops if op[0] in self.kvc_states]
-        started = {rid: v for rid, v in self._kvc_started.items() if rid in self.kvc_states}
+        ops = [op for op in ops if op.request_id in self.kvc_states]
+        started = [v for rid, v in self._kvc_started.items() if rid in self.kvc_states]
         self._kvc_started.clear()
         evicted = {
             rid: tuple(self.kvc_states[rid].num_evicted)
             for rid in output.num_scheduled_tokens
             if rid in self.kvc_states
         }
-        setattr(output, PLAN_ATTR, StepPlan(started=started, ops=ops, evicted=evicted))
+        setattr(output, PLAN_ATTR, StepPlan(started=started, compactions=ops, evicted=evicted))
         if ops:
             self._write_snapshot()
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        # Budgets decided from a prompt's attention (adaptive): the request
-        # compresses to them when the next step is planned.
-        for rid, per_layer in (getattr(model_runner_output, BUDGETS_ATTR, None) or {}).items():
-            state = self.kvc_states.get(rid)
+        # Budgets decided from a prompt's attention (adaptive, per_head): the
+        # request compresses to them when the next step is planned.
+        reported: list[ReportedBudgets] = getattr(model_runner_output, BUDGETS_ATTR, None) or []
+        for report in reported:
+            state = self.kvc_states.get(report.request_id)
             if state is not None:
-                state.set_layer_budgets(per_layer)
+                state.set_layer_budgets(report.layer_budgets)
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:

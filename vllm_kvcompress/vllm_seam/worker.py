@@ -16,22 +16,70 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..cache_layout import CPUAttnLayout, PagedLayout
+from ..cache_layout import LAYOUTS
 from ..compression import RequestCompression
 from ..config import CONFIG_KEY, KVCompressConfig
 from ..kernels import get_ops
+from ..plan import BUDGETS_ATTR, PLAN_ATTR, Compaction, ReportedBudgets, StepPlan
 from ..planner import cdiv
-from ..accounting import BUDGETS_ATTR, PLAN_ATTR, StepPlan
 from .groups import group_of_layer, layer_index
 from .metrics import SnapshotWriter
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
 QUERY_CHUNK = 512  # observed queries scored at once (bounds the [Hq, n, T] logits)
+NOISE_ELEMENTS = 1 << 24  # noisy scoring: most [rows, Hq, T] floats materialised at once
+
+
+@dataclass
+class StepRequest:
+    """One request's queries in the running step, and where its cache is."""
+
+    request_id: str
+    state: RequestCompression
+    token_idx: torch.Tensor  # rows of the step's query tensor
+    q_logical: torch.Tensor  # [n] logical (RoPE) positions
+    # Per KV cache group: physical slots of the queries, keys visible, block ids.
+    q_physical: list[torch.Tensor]
+    seq_lens: list[int]
+    block_ids: list[torch.Tensor]
+
+
+@dataclass
+class ScoringBatch:
+    """The step's plain-softmax observed queries of one KV cache group, as the
+    batched kernel op takes them (built once per step and group)."""
+
+    requests: list[StepRequest]
+    token_idx: torch.Tensor
+    cu_q_lens: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    q_positions: torch.Tensor
+    max_seq_len: int
+
+    @classmethod
+    def build(cls, requests: list[StepRequest], group: int, device) -> ScoringBatch:
+        lens = [len(r.token_idx) for r in requests]
+        width = max(len(r.block_ids[group]) for r in requests)
+        tables = torch.zeros(len(requests), width, dtype=torch.int64)
+        for i, r in enumerate(requests):
+            tables[i, : len(r.block_ids[group])] = r.block_ids[group]
+        seq_lens = [r.seq_lens[group] for r in requests]
+        return cls(
+            requests=requests,
+            token_idx=torch.cat([r.token_idx for r in requests]),
+            cu_q_lens=torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64).to(device),
+            block_tables=tables.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device),
+            q_positions=torch.cat([r.q_physical[group] for r in requests]).to(device),
+            max_seq_len=max(seq_lens),
+        )
 
 
 class StepObservation:
@@ -40,12 +88,17 @@ class StepObservation:
 
     def __init__(self, worker: WorkerCompression) -> None:
         self.worker = worker
-        # (request id, state, batch token indices, logical positions, and per
-        # KV cache group: physical positions, seq_len, block ids)
-        self.items: list[tuple] = []
-        # Same tuples, all of the request's tokens: requests with per-head budgets.
-        self.masked: list[tuple] = []
+        self.observed: list[StepRequest] = []  # the queries a scorer observes
+        self.masked: list[StepRequest] = []  # all queries of requests with per-head budgets
+        self._batches: dict[int, ScoringBatch | None] = {}
         self.layers_seen = 0
+
+    def _batch(self, group: int) -> ScoringBatch | None:
+        if group not in self._batches:
+            plain = [r for r in self.observed if not r.state.noisy]
+            device = self.worker.layers[0].kv_cache.device
+            self._batches[group] = ScoringBatch.build(plain, group, device) if plain else None
+        return self._batches[group]
 
     def mask_heads(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
         """Redo attention for requests whose heads keep different counts.
@@ -58,47 +111,69 @@ class StepObservation:
         layer = worker.layer_of[layer_name]
         group = worker.group_of_layer[layer]
         rows = output.view(output.shape[0], -1)
-        for _, state, token_idx, _, q_phys_g, seq_len_g, block_ids_g in self.masked:
-            q_phys, seq_len, block_ids = q_phys_g[group], seq_len_g[group], block_ids_g[group]
-            dead = state.dead_slots(layer, seq_len)
+        key_view, value_view = worker.views(kv_cache)
+        for r in self.masked:
+            q_phys, seq_len, block_ids = r.q_physical[group], r.seq_lens[group], r.block_ids[group]
+            dead = r.state.dead_slots(layer, seq_len)
             if dead is None:
                 continue
-            keys, values = worker.layout.gather(kv_cache, block_ids, seq_len)
-            keys, values = keys.to(torch.float32), values.to(torch.float32)
-            for sl in _chunks(len(token_idx)):
-                logits = _causal_logits(query[token_idx[sl]], keys, q_phys[sl], worker.scale)  # [Hq, n, S]
+            keys = worker.ops.gather_dense(key_view, block_ids, seq_len).to(torch.float32)
+            values = worker.ops.gather_dense(value_view, block_ids, seq_len).to(torch.float32)
+            for sl in _chunks(len(r.token_idx)):
+                logits = _causal_logits(query[r.token_idx[sl]], keys, q_phys[sl], worker.scale)  # [Hq, n, S]
                 hq, n, _ = logits.shape
                 logits = logits.view(len(keys), -1, seq_len)  # [Hkv, G*n, S]: one bmm per KV head
                 logits.masked_fill_(dead.to(logits.device).unsqueeze(1), float("-inf"))
                 out = torch.bmm(torch.softmax(logits, dim=-1), values)  # [Hkv, G*n, D]
                 out = out.view(hq, n, -1).transpose(0, 1).reshape(n, -1)
-                rows[token_idx[sl].to(rows.device)] = out.to(rows.dtype)
+                rows[r.token_idx[sl].to(rows.device)] = out.to(rows.dtype)
 
     def observe(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         start = time.perf_counter()
         worker = self.worker
         layer = worker.layer_of[layer_name]
         group = worker.group_of_layer[layer]
-        for _, state, token_idx, q_log, q_phys_g, seq_len_g, block_ids_g in self.items:
-            q_phys, seq_len, block_ids = q_phys_g[group], seq_len_g[group], block_ids_g[group]
-            if worker.fused_scores and state.plain_softmax_sums:
-                # One Triton pass over the paged keys: softmax sums per slot.
-                keys = worker.layout.views(kv_cache)[0]
-                for sl in _chunks(len(token_idx)):
-                    state.accumulate(layer, worker.ops.window_scores(
-                        query[token_idx[sl]], keys, block_ids, seq_len, q_phys[sl], worker.scale))
-                continue
-            keys = worker.layout.gather_keys(kv_cache, block_ids, seq_len).to(torch.float32)
-            for sl in _chunks(len(token_idx)):
-                state.observe(layer, _causal_logits(query[token_idx[sl]], keys, q_phys[sl], worker.scale), q_log[sl])
+        keys = worker.views(kv_cache)[0]
+        batch = self._batch(group)
+        if batch is not None:
+            # One op over every request: softmax sums per cached slot.
+            q = query[batch.token_idx.to(query.device)]
+            scores = worker.ops.window_scores_batched(
+                q, batch.cu_q_lens, keys, batch.block_tables, batch.seq_lens, batch.q_positions,
+                worker.scale, max_seq_len=batch.max_seq_len)
+            for i, r in enumerate(batch.requests):
+                r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
+        for r in self.observed:
+            if r.state.noisy:
+                self._observe_noisy(r, layer, group, query, keys)
         worker.seconds["scoring"] += time.perf_counter() - start
         self.layers_seen += 1
         if self.layers_seen == worker.num_layers:
             set_active(None)  # a later warm-up or dummy run must not observe
-            for rid, state, _, q_log, *_ in self.items:
-                if state.policy.budgets_from_attention and state.prefill_observed(q_log):
-                    worker.layer_budgets[rid] = state.attention_budgets()
+            for r in self.observed:
+                if r.state.reports_budgets(r.q_logical):
+                    worker.reported.append(ReportedBudgets(r.request_id, r.state.attention_budgets()))
             worker.snapshot.write(worker.seconds)
+
+    def _observe_noisy(self, r: StepRequest, layer: int, group: int, query: torch.Tensor, keys: torch.Tensor) -> None:
+        """Scorers that perturb the logits (Keyformer): each observed query is
+        one row of the decode-scoring op, seeing the keys up to its own slot."""
+        seq_len, heads = r.seq_lens[group], query.shape[1]
+        device = keys.device
+        step = max(1, NOISE_ELEMENTS // (heads * seq_len))
+        total = torch.zeros(heads, seq_len, dtype=torch.float32, device=device)
+        for i in range(0, len(r.token_idx), step):
+            sl = slice(i, i + step)
+            noise = r.state.logits_noise(layer, r.q_logical[sl])
+            assert noise is not None
+            rows = len(r.token_idx[sl])
+            scores = torch.zeros(rows, heads, seq_len, dtype=torch.float32, device=device)
+            self.worker.ops.accumulate_decode_scores(
+                query[r.token_idx[sl].to(query.device)], keys, r.block_ids[group].to(device).expand(rows, -1),
+                (r.q_physical[group][sl] + 1).to(device), scores, self.worker.scale,
+                ("gumbel", noise.noise.to(device).transpose(0, 1), noise.tau), max_seq_len=seq_len)
+            total += scores.sum(dim=0)
+        r.state.accumulate(layer, total)
 
 
 def _causal_logits(query: torch.Tensor, keys: torch.Tensor, q_phys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -136,14 +211,11 @@ def _write_flash_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: to
     ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", layer._k_scale, layer._v_scale)
 
 
-# attention backend -> (layout for the kernel ops, vLLM's own cache writer for the self-test)
-LAYOUTS = {
-    "CPU_ATTN": (lambda ops, device: CPUAttnLayout, _write_cpu_attn),
-    "FLASH_ATTN": (PagedLayout, _write_flash_attn),
-}
+# attention backend -> vLLM's own cache writer, for the layout self-test
+CACHE_WRITERS = {"CPU_ATTN": _write_cpu_attn, "FLASH_ATTN": _write_flash_attn}
 
 
-def check_layout(layer, layout, write) -> None:
+def check_layout(layer, views, ops, write, backend: str) -> None:
     """Refuse to run unless our reader sees what vLLM's own writer wrote.
 
     A cache's inner layout depends on the backend, the instruction-set path
@@ -158,10 +230,12 @@ def check_layout(layer, layout, write) -> None:
     key = torch.randn(n, heads, dim).to(cache.dtype).to(cache.device)
     value = torch.randn(n, heads, dim).to(cache.dtype).to(cache.device)
     write(layer, scratch, key, value)
-    keys, values = layout.gather(scratch, torch.arange(2, device=cache.device), n)
+    key_view, value_view = views(scratch)
+    blocks = torch.arange(2, device=cache.device)
+    keys, values = ops.gather_dense(key_view, blocks, n), ops.gather_dense(value_view, blocks, n)
     if not (torch.equal(keys, key.transpose(0, 1)) and torch.equal(values, value.transpose(0, 1))):
         raise RuntimeError(
-            f"kv_compress: unknown {layout.name} KV cache layout (shape {tuple(cache.shape)}, "
+            f"kv_compress: unknown {backend} KV cache layout (shape {tuple(cache.shape)}, "
             f"strides {cache.stride()}, dtype {cache.dtype}); refusing to compact"
         )
 
@@ -171,7 +245,7 @@ class WorkerCompression:
 
     def __init__(self, runner) -> None:
         self.runner = runner
-        self.config = KVCompressConfig.from_dict(runner.vllm_config.additional_config[CONFIG_KEY])
+        config = KVCompressConfig.from_dict(runner.vllm_config.additional_config[CONFIG_KEY])
         context = runner.compilation_config.static_forward_context
         attn_layers = {name: m for name, m in context.items() if hasattr(m, "kv_cache") and hasattr(m, "impl")}
         self.layer_of = {name: layer_index(name) for name in attn_layers}
@@ -195,7 +269,7 @@ class WorkerCompression:
                     f"kv_compress: kernel block size {table.block_size} differs from the KV manager's "
                     f"{self.block_size}; choose --block-size as a multiple of 32 that the backend uses as is"
                 )
-        # Dispatch, once: the cache layout by attention backend, the kernel
+        # Dispatch, once: the cache views by attention backend, the kernel
         # ops by device (Triton on CUDA, torch elsewhere).
         backend = first.attn_backend.get_name()
         if backend not in LAYOUTS:
@@ -203,24 +277,18 @@ class WorkerCompression:
                 f"kv_compress: attention backend {backend} is not supported (CPU_ATTN on CPU, "
                 f"FLASH_ATTN on CUDA); refusing to compact a cache layout it does not know"
             )
-        make_layout, write = LAYOUTS[backend]
+        self.views = LAYOUTS[backend]
         self.ops = get_ops(first.kv_cache.device.type)
-        self.layout = make_layout(self.ops, first.kv_cache.device)
-        check_layout(first, self.layout, write)
-        # Triton's fused window scores read the paged keys once per request.
-        self.fused_scores = self.ops.backend == "triton" and isinstance(self.layout, PagedLayout)
+        check_layout(first, self.views, self.ops, CACHE_WRITERS[backend], backend)
         self.states: dict[str, RequestCompression] = {}
         self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group
         # Per-layer budgets decided from this step's attention, for the scheduler.
-        self.layer_budgets: dict[str, list[int]] = {}
+        self.reported: list[ReportedBudgets] = []
         self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
         self.snapshot = SnapshotWriter("worker")
         logger.info("kv_compress worker ready (pid %d): %s, %d layers, block %d, %s cache, %s ops",
-                    os.getpid(), self.config.to_dict(), self.num_layers, self.block_size, backend,
+                    os.getpid(), config.to_dict(), self.num_layers, self.block_size, backend,
                     self.ops.backend)
-
-    def kv_cache(self, layer: int) -> torch.Tensor:
-        return self.layers[layer].kv_cache
 
     # ------------------------------------------------------------ _update_states
 
@@ -232,46 +300,58 @@ class WorkerCompression:
             self.states.pop(rid, None)
         for rid in getattr(so, "preempted_req_ids", None) or ():
             self.states.pop(rid, None)
-        for rid, (prefill_len, config) in plan.started.items():
-            self.states[rid] = RequestCompression(
-                KVCompressConfig.from_dict(config), prefill_len,
-                self.num_layers, self.num_kv_heads, self.num_q_heads,
-            )
-        if plan.ops:
+        for started in plan.started:
+            self.states.pop(started.request_id, None)
+            if started.plan is not None:
+                self.states[started.request_id] = RequestCompression(
+                    started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads)
+        if plan.compactions:
             start = time.perf_counter()
-            for rid, old_len, new_len in plan.ops:
-                self.compact(rid, old_len, new_len)
+            self.compact(plan.compactions)
             self.seconds["compaction"] += time.perf_counter() - start
             self.snapshot.write(self.seconds)
         self.evicted = plan.evicted
 
-    def compact(self, rid: str, old_lens: tuple[int, ...], new_lens: tuple[int, ...]) -> None:
-        """Compact every layer to its KV cache group's new length; truncate each group's table."""
-        state = self.states[rid]
-        group_block_ids = self.runner.requests[rid].block_ids
-        ids = [torch.tensor(b, dtype=torch.int64) for b in group_block_ids]
-        moves, planned_for, planned_group = None, None, None
+    def compact(self, compactions: list[Compaction]) -> None:
+        """Compact every layer of these requests to their KV cache groups' new
+        lengths (one kernel op per layer for all of them); truncate each group's table."""
+        states = [self.states[c.request_id] for c in compactions]
+        group_ids = [self.runner.requests[c.request_id].block_ids for c in compactions]
+        for c, state in zip(compactions, states):
+            for layer in range(self.num_layers):
+                if state.num_tokens(layer) != c.old_lengths[self.group_of_layer[layer]]:
+                    raise RuntimeError(
+                        f"kv_compress: request {c.request_id} layer {layer} tracks {state.num_tokens(layer)} "
+                        f"tokens, scheduler says {c.old_lengths[self.group_of_layer[layer]]}")
+        device = self.layers[0].kv_cache.device
+        tables = {}
+        for g in range(self.num_groups):
+            width = max(len(ids[g]) for ids in group_ids)
+            table = torch.zeros(len(compactions), width, dtype=torch.int64)
+            for i, ids in enumerate(group_ids):
+                table[i, : len(ids[g])] = torch.tensor(ids[g], dtype=torch.int64)
+            tables[g] = table.to(device)
         for layer in range(self.num_layers):
             g = self.group_of_layer[layer]
-            if state.num_tokens(layer) != old_lens[g]:
-                raise RuntimeError(
-                    f"kv_compress: request {rid} layer {layer} tracks "
-                    f"{state.num_tokens(layer)} tokens, scheduler says {old_lens[g]}"
-                )
-            keep_idx = state.select(layer, new_lens[g])
-            if keep_idx is not planned_for or g != planned_group:  # layers that keep alike share a plan
-                moves = self.layout.plan_moves(ids[g], keep_idx, self.block_size)
-                planned_for, planned_group = keep_idx, g
-            self.layout.move(self.kv_cache(layer), moves)
-            state.compact(layer, keep_idx)
-        state.finish_compaction()
-        row = self.runner.input_batch.req_id_to_index.get(rid)
-        for g, new_len in enumerate(new_lens):
-            del group_block_ids[g][cdiv(new_len, self.block_size):]
-            if row is not None:
-                table = self.runner.input_batch.block_table[g]
-                table.clear_row(row)
-                table.add_row(group_block_ids[g], row)
+            keeps = [state.select(layer, c.new_lengths[g]) for c, state in zip(compactions, states)]
+            width = max(k.shape[1] for k in keeps)
+            keep_idx = torch.zeros(len(keeps), self.num_kv_heads, width, dtype=torch.int64)
+            for i, k in enumerate(keeps):
+                keep_idx[i, :, : k.shape[1]] = k
+            counts = torch.tensor([[k.shape[1]] * self.num_kv_heads for k in keeps], dtype=torch.int64)
+            keys, values = self.views(self.layers[layer].kv_cache)
+            self.ops.compact_kv_batched(keys, values, tables[g], keep_idx.to(device), counts.to(device))
+            for state, k in zip(states, keeps):
+                state.compact(layer, k)
+        for c, state, ids in zip(compactions, states, group_ids):
+            state.finish_compaction()
+            row = self.runner.input_batch.req_id_to_index.get(c.request_id)
+            for g, new_len in enumerate(c.new_lengths):
+                del ids[g][cdiv(new_len, self.block_size):]
+                if row is not None:
+                    table = self.runner.input_batch.block_table[g]
+                    table.clear_row(row)
+                    table.add_row(ids[g], row)
 
     # ------------------------------------------------------------ _prepare_inputs
 
@@ -311,18 +391,19 @@ class WorkerCompression:
             state.append(q_log)
             observed = state.observed(q_log)
             if observed.any():
-                step.items.append(self._step_item(rid, state, sl, observed, q_log, physical))
+                step.observed.append(self._step_request(rid, state, sl, observed, q_log, physical))
             if any(d is not None for d in state.dead):
-                step.masked.append(self._step_item(rid, state, sl, slice(None), q_log, physical))
-        set_active(step if step.items or step.masked else None)
+                step.masked.append(self._step_request(rid, state, sl, slice(None), q_log, physical))
+        set_active(step if step.observed or step.masked else None)
 
-    def _step_item(self, rid: str, state: RequestCompression, sl: slice, mask, q_log, physical) -> tuple:
-        """A request's selected queries in this step, in StepObservation's tuple form."""
-        token_idx = torch.arange(sl.start, sl.stop)[mask]
-        q_phys = [p[sl].cpu()[mask] for p in physical]
-        seq_lens = [int(p[sl.stop - 1]) + 1 for p in physical]
-        ids = [torch.tensor(b, dtype=torch.int64) for b in self.runner.requests[rid].block_ids]
-        return (rid, state, token_idx, q_log[mask], q_phys, seq_lens, ids)
+    def _step_request(self, rid: str, state: RequestCompression, sl: slice, mask, q_log, physical) -> StepRequest:
+        """A request's selected queries in this step."""
+        return StepRequest(
+            request_id=rid, state=state, token_idx=torch.arange(sl.start, sl.stop)[mask], q_logical=q_log[mask],
+            q_physical=[p[sl].cpu()[mask] for p in physical],
+            seq_lens=[int(p[sl.stop - 1]) + 1 for p in physical],
+            block_ids=[torch.tensor(b, dtype=torch.int64) for b in self.runner.requests[rid].block_ids],
+        )
 
 
 # The step whose queries the attention backend must observe (one model runner
@@ -408,10 +489,10 @@ def wrap_sample_tokens(original):
     def sample_tokens(self, *args, **kwargs):
         output = original(self, *args, **kwargs)
         kvc = _compression(self)
-        if kvc is not None and kvc.layer_budgets and output is not None:
+        if kvc is not None and kvc.reported and output is not None:
             # Rides back to the scheduler's update_from_output (async scheduling is off).
-            setattr(output, BUDGETS_ATTR, kvc.layer_budgets)
-            kvc.layer_budgets = {}
+            setattr(output, BUDGETS_ATTR, kvc.reported)
+            kvc.reported = []
         return output
 
     return sample_tokens

@@ -1,24 +1,23 @@
-"""Random eviction: the baseline every scored policy must beat."""
+"""Random eviction: the baseline every attention-based scorer must beat."""
+
+from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
 
-from .base import Observation, Policy, hash_uniform, register_policy
+from .base import Observation, Scorer, check_at_least, hash_uniform
 
 
-@register_policy
-@dataclass
-class Random(Policy):
+@dataclass(frozen=True)
+class Random(Scorer):
     name = "random"
-    rolling = True
 
     window: int = field(default=0, metadata={"help": "newest tokens always kept"})
     seed: int = field(default=0, metadata={"help": "seed of the random scores"})
 
     def validate(self) -> None:
-        if self.window < 0:
-            raise ValueError(f"window must be >= 0, got {self.window}")
+        check_at_least("window", self.window, 0)
 
     def protected(self, budget: int) -> tuple[int, int]:
         return 0, self.window

@@ -14,8 +14,8 @@ temporary sibling folder that is renamed into place only when complete.
 
 CLI::
 
-    python -m vllm_kvcompress.models prepare smollm2 [--cache-dir D] [--force]
-    python -m vllm_kvcompress.models tiny PATH [--seed N] [--layers N] [--force]
+    python -m kvc_tools.models prepare smollm2 [--cache-dir D] [--force]
+    python -m kvc_tools.models tiny PATH [--seed N] [--layers N] [--force]
 
 The last line of stdout is the model folder.
 
@@ -472,7 +472,7 @@ def build_tiny_llama(
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m vllm_kvcompress.models",
+        prog="python -m kvc_tools.models",
         description="Prepare offline models; the last line printed is the model folder.",
     )
     sub = p.add_subparsers(dest="cmd", required=True)

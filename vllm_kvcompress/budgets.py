@@ -1,0 +1,142 @@
+"""Budget allocations: how many tokens each layer (and each KV head) keeps.
+
+An allocation combines with any scorer (`registry.py`). The request's budget
+is the mean tokens kept per layer and KV head; an allocation spreads it:
+
+  uniform   every layer and head keeps `budget`
+  pyramid   layers keep linearly less towards the top (PyramidKV), same mean
+  adaptive  each layer's share follows how many tokens hold most of its
+            observed attention (ZigZagKV-style), known at prefill end
+  per_head  one top-k of `budget * num_kv_heads` shared by a layer's heads,
+            each head at least `alpha * budget` (AdaKV)
+
+`min_budget` is what the scorer always keeps (its protected tokens): no layer
+gets less.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class Allocation:
+    name: ClassVar[str]
+    # Layers keep different budgets: frees memory only with per-layer KV cache groups.
+    per_layer: ClassVar[bool] = False
+    # The layer budgets come from the prompt's observed attention, at prefill end.
+    from_attention: ClassVar[bool] = False
+    # KV heads keep different numbers of tokens (`head_counts`); a layer holds
+    # its fullest head's count and attention masks the others' unused slots.
+    per_head: ClassVar[bool] = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for impossible parameter values."""
+
+    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int, min_budget: int) -> list[int]:
+        """Tokens each layer keeps, known before the prompt runs."""
+        return [budget] * num_layers
+
+    def attention_budgets(self, attention: list[torch.Tensor], budget: int, min_budget: int) -> list[int]:
+        """Tokens each layer keeps, from each layer's observed [Hq, T] attention."""
+        raise NotImplementedError
+
+    def head_counts(self, ranked: torch.Tensor, budget: int) -> torch.Tensor:
+        """[Hkv, T] ranked scores (protected tokens +inf) -> [Hkv] tokens each head keeps."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Uniform(Allocation):
+    name = "uniform"
+
+
+@dataclass(frozen=True)
+class Pyramid(Allocation):
+    name = "pyramid"
+    per_layer = True
+
+    beta: int = field(default=20, metadata={"help": "pyramid: the top layer keeps (budget - window) / beta tokens "
+                                                    "beyond the window"})
+
+    def validate(self) -> None:
+        if self.beta < 1:
+            raise ValueError(f"beta must be >= 1, got {self.beta}")
+
+    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int, min_budget: int) -> list[int]:
+        # KVCache-Factory's schedule (methods.md), with the scorer's protected
+        # tokens as the window: same mean as `budget`.
+        w = min_budget
+        min_b = (budget - w) // self.beta
+        max_b = 2 * (budget - w) - min_b
+        if max_b >= prompt_len - w:  # short prompt: the bottom layer keeps it all
+            max_b = prompt_len - w
+            min_b = 2 * (budget - w) - max_b
+        step = (max_b - min_b) // (num_layers - 1) if num_layers > 1 else 0
+        return [max_b - layer * step + w for layer in range(num_layers)]
+
+
+def tokens_for_mass(attention: torch.Tensor, coverage: float) -> torch.Tensor:
+    """[H, T] attention -> [H]: fewest tokens whose attention sums to `coverage` of each row."""
+    ranked = attention.to(torch.float64).sort(dim=-1, descending=True).values
+    mass = ranked.cumsum(dim=-1)
+    short = mass < coverage * mass[:, -1:]
+    return (short.sum(dim=-1) + 1).clamp(max=attention.shape[-1])
+
+
+@dataclass(frozen=True)
+class Adaptive(Allocation):
+    name = "adaptive"
+    per_layer = True
+    from_attention = True
+
+    coverage: float = field(default=0.9, metadata={"help": "adaptive: share of the observed attention a "
+                                                           "layer's need covers"})
+    floor: int = field(default=0, metadata={"help": "adaptive: fewest tokens a layer keeps (0: the scorer's "
+                                                    "protected tokens)"})
+
+    def validate(self) -> None:
+        if not 0 < self.coverage <= 1:  # also rejects NaN
+            raise ValueError(f"coverage must be in (0, 1], got {self.coverage}")
+        if self.floor < 0:
+            raise ValueError(f"floor must be >= 0, got {self.floor}")
+
+    def attention_budgets(self, attention: list[torch.Tensor], budget: int, min_budget: int) -> list[int]:
+        # methods.md: MBA_l = mean over (query) heads of the tokens holding
+        # `coverage` of the observed attention; budget_l = max(floor, total * MBA_l / sum MBA).
+        needs = [float(tokens_for_mass(a, self.coverage).to(torch.float64).mean()) for a in attention]
+        total = budget * len(attention)
+        floor = max(self.floor, min_budget)
+        return [max(floor, int(total * need / sum(needs))) for need in needs]
+
+
+@dataclass(frozen=True)
+class PerHead(Allocation):
+    name = "per_head"
+    per_head = True
+    from_attention = True  # a layer holds its fullest head: known once the attention is seen
+
+    alpha: float = field(default=0.2, metadata={"help": "per_head: each KV head keeps at least alpha * budget "
+                                                        "tokens"})
+
+    def validate(self) -> None:
+        if not 0 <= self.alpha <= 1:  # also rejects NaN
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+
+    def head_counts(self, ranked: torch.Tensor, budget: int) -> torch.Tensor:
+        # methods.md: the global top (num_kv_heads * budget) over all heads'
+        # scores, after each head's own top (alpha * budget).
+        num_heads, num_tokens = ranked.shape
+        floor = min(int(self.alpha * budget), num_tokens)
+        total = min(budget, num_tokens) * num_heads
+        own = torch.zeros_like(ranked, dtype=torch.bool)
+        own.scatter_(1, ranked.topk(floor, dim=-1).indices, True)
+        rest = ranked.masked_fill(own, float("-inf")).flatten()
+        shared = rest.topk(total - floor * num_heads).indices // num_tokens
+        return floor + torch.bincount(shared, minlength=num_heads)
+
+
+ALLOCATIONS: dict[str, type[Allocation]] = {cls.name: cls for cls in (Uniform, Pyramid, Adaptive, PerHead)}

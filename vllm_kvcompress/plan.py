@@ -1,0 +1,93 @@
+"""The one resolved plan per request, and the records scheduler and workers exchange.
+
+The scheduler resolves a request's configuration once (`resolve_plan`) into a
+frozen `CompressionPlan` and sends that plan to the workers with the step
+that starts the request; neither side derives budgets from a config dict
+again. Everything that crosses the scheduler/worker boundary is one of the
+records below (vLLM pickles them with its SchedulerOutput/ModelRunnerOutput
+when workers live in other processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .budgets import Allocation
+from .config import KVCompressConfig
+from .scorers import Scorer
+from .triggers import Trigger
+
+PLAN_ATTR = "kv_compress_plan"  # the StepPlan's attribute on vLLM's SchedulerOutput
+BUDGETS_ATTR = "kv_compress_layer_budgets"  # list[ReportedBudgets] on vLLM's ModelRunnerOutput
+
+
+@dataclass(frozen=True)
+class CompressionPlan:
+    """How one request is compressed: its composition and its budgets."""
+
+    scorer: Scorer
+    allocation: Allocation
+    trigger: Trigger
+    prompt_len: int  # tokens prefilled before decoding (a resumed request's outputs included)
+    budget: int  # mean tokens kept per layer and KV head
+    # Per layer, known at admission; for allocations from attention these
+    # stand in (uniform) until the worker reports the real ones.
+    layer_budgets: tuple[int, ...]
+    interval: int  # rolling triggers evict again after this many new tokens
+
+    @property
+    def compresses_prompt(self) -> bool:
+        """Whether the prompt outgrows its budget (a prompt within budget is never compressed)."""
+        return self.prompt_len > self.budget
+
+
+def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, block_size: int) -> CompressionPlan | None:
+    """The plan of a request with this config and prompt; None when compression is off."""
+    parts = config.components()
+    if parts is None:
+        return None
+    min_budget = parts.scorer.min_budget()
+    budget = config.resolve_budget(prompt_len, min_budget)
+    if parts.allocation.from_attention:
+        layer_budgets = [budget] * num_layers
+    else:
+        layer_budgets = parts.allocation.layer_budgets(budget, num_layers, prompt_len, min_budget)
+    return CompressionPlan(
+        scorer=parts.scorer, allocation=parts.allocation, trigger=parts.trigger, prompt_len=prompt_len,
+        budget=budget, layer_budgets=tuple(layer_budgets), interval=config.interval or block_size,
+    )
+
+
+@dataclass(frozen=True)
+class StartedRequest:
+    """A request whose compression state (re)starts in this step."""
+
+    request_id: str
+    plan: CompressionPlan | None  # None: compression off for this request
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """Compact a request before the step's forward: physical lengths per KV cache group."""
+
+    request_id: str
+    old_lengths: tuple[int, ...]
+    new_lengths: tuple[int, ...]
+
+
+@dataclass
+class StepPlan:
+    """What the workers must do for the step it is attached to."""
+
+    started: list[StartedRequest] = field(default_factory=list)
+    compactions: list[Compaction] = field(default_factory=list)
+    # logical - physical length per KV cache group of every scheduled request with a state.
+    evicted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReportedBudgets:
+    """Worker -> scheduler: per-layer budgets derived from a prompt's attention."""
+
+    request_id: str
+    layer_budgets: tuple[int, ...]

@@ -1,0 +1,59 @@
+"""Policy names -> compositions of a scorer, a budget allocation and a trigger.
+
+Each name is what the papers call a method; any entry's allocation and trigger
+can be swapped per engine or request (`allocation`, `trigger` fields), e.g.
+h2o with per-head budgets, tova with a pyramid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .budgets import ALLOCATIONS, Allocation
+from .scorers import SCORERS, Scorer
+from .triggers import TRIGGERS, Trigger
+
+
+@dataclass(frozen=True)
+class Composition:
+    """A registered policy: component names and the parameter defaults it changes."""
+
+    scorer: str | None  # None: compression off
+    allocation: str = "uniform"
+    trigger: str = "once"
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+POLICIES: dict[str, Composition] = {
+    "none": Composition(None),
+    "snapkv": Composition("snapkv"),
+    "pyramidkv": Composition("snapkv", allocation="pyramid"),
+    "adaptive": Composition("snapkv", allocation="adaptive"),
+    "adakv": Composition("snapkv", allocation="per_head"),
+    "h2o": Composition("h2o", trigger="rolling"),
+    "tova": Composition("tova", trigger="rolling"),
+    "keyformer": Composition("keyformer", trigger="rolling"),
+    "streamingllm": Composition("streamingllm", trigger="rolling"),
+    "window": Composition("streamingllm", trigger="rolling", defaults={"sink_tokens": 0}),
+    "random": Composition("random", trigger="rolling"),
+}
+
+
+@dataclass(frozen=True)
+class Components:
+    """A validated composition, its parameters applied."""
+
+    scorer: Scorer
+    allocation: Allocation
+    trigger: Trigger
+
+
+def component_classes(policy: str, allocation: str | None, trigger: str | None) -> list[type]:
+    """The scorer, allocation and trigger classes of a policy with these overrides."""
+    composition = POLICIES[policy]
+    if composition.scorer is None:
+        return []
+    return [SCORERS[composition.scorer], ALLOCATIONS[allocation or composition.allocation],
+            TRIGGERS[trigger or composition.trigger]]

@@ -1,0 +1,122 @@
+"""What every scorer shares: what it observes, its protected tokens, `score()`.
+
+A scorer is a small frozen dataclass. Its fields are its parameters (they
+become `--kv-compress-<field>` flags and YAML keys); `score()` turns what the
+engine observed of one layer of one request into a score per (KV head, cached
+token). How many tokens a layer or head keeps (`budgets.py`), when a request
+compresses (`triggers.py`) and which tokens survive (`selection.py`) are
+separate pieces that combine with any scorer (`registry.py` names the useful
+combinations).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+class Observe(enum.Enum):
+    """Which queries' attention a scorer accumulates while the request runs."""
+
+    NOTHING = "nothing"  # scores from positions (or chance) alone
+    WINDOW = "window"  # the last `window` prompt queries (SnapKV family)
+    ALL = "all"  # every query, prompt and decode, summed (H2O family)
+    LAST = "last"  # only the newest query; each step replaces the last (TOVA)
+
+
+@dataclass
+class Observation:
+    """What a scorer sees of one layer of one request when it is compressed."""
+
+    # [num_q_heads, T] accumulated attention (float32), None for Observe.NOTHING.
+    attention: torch.Tensor | None
+    # [num_kv_heads, T] logical (RoPE) positions of the cached tokens, in
+    # physical order (heads may have kept different tokens).
+    positions: torch.Tensor
+    num_kv_heads: int
+    layer: int
+    # Compressions this request already had (Keyformer's temperature schedule).
+    num_compressions: int
+
+
+@dataclass(frozen=True)
+class LogitsNoise:
+    """Noise added to the observed logits before the softmax: softmax((x + noise) / tau)."""
+
+    noise: torch.Tensor  # [Hq, n, T] for n queries over T keys
+    tau: float
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """Base class of every scorer. Subclasses are frozen dataclasses."""
+
+    name: ClassVar[str]
+    observe: ClassVar[Observe] = Observe.NOTHING
+    # Scores depend on positions alone, the same in every layer: one
+    # selection serves all layers of a compaction.
+    same_in_every_layer: ClassVar[bool] = False
+    # Observed logits get noise before the softmax (`logits_noise`).
+    noisy: ClassVar[bool] = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for impossible parameter values."""
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        """(sink tokens, recent tokens) that are never evicted at this budget."""
+        return 0, 0
+
+    def min_budget(self) -> int:
+        """Smallest budget that still holds every protected token."""
+        return 1
+
+    def window_queries(self) -> int:
+        """How many trailing prompt queries Observe.WINDOW accumulates."""
+        return 0
+
+    def logits_noise(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                     num_compressions: int) -> LogitsNoise | None:
+        """Noise for the observed logits (None: a plain softmax).
+
+        q_pos: [n] logical positions of the queries; k_pos: [Hq, T] logical
+        positions of the keys each query head sees.
+        """
+        return None
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """[num_kv_heads, T] float scores; the lowest are evicted."""
+        raise NotImplementedError
+
+
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_at_least(name: str, value: float, low: float, unit: str = "") -> None:
+    if not value >= low:  # also rejects NaN
+        raise ValueError(f"{name} must be >= {low}{unit}, got {value}")
+
+
+_MASK31 = (1 << 31) - 1
+
+
+def hash_uniform(seed: int, *index: torch.Tensor) -> torch.Tensor:
+    """Deterministic uniforms in (0, 1) from integer coordinates.
+
+    Random scorers (random, Keyformer's Gumbel noise) must draw the same number
+    for the same (layer, head, position) in the engine and in the reference, no
+    matter how the cache is laid out or batched, so noise is a hash of logical
+    coordinates rather than a generator's stream. Products stay below 2**62:
+    no int64 overflow.
+    """
+    x = torch.tensor(seed & _MASK31, dtype=torch.int64)
+    for i in index:
+        x = (x * 1_000_003 + i.to(torch.int64).cpu()) & _MASK31
+        x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & _MASK31
+        x = ((x ^ (x >> 12)) * 0x297A2D39) & _MASK31
+        x = x ^ (x >> 15)
+    return (x.to(torch.float64) + 0.5) / float(1 << 31)

@@ -1,0 +1,45 @@
+"""Keyformer: H2O with a Gumbel-regularised, temperature-scheduled softmax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels.reference import reduce_gqa
+from .base import LogitsNoise, Observation, Observe, Scorer, check_at_least, hash_uniform
+
+
+@dataclass(frozen=True)
+class Keyformer(Scorer):
+    name = "keyformer"
+    observe = Observe.ALL
+    noisy = True
+
+    window: int = field(default=32, metadata={"help": "newest tokens always kept"})
+    tau_init: float = field(default=1.0, metadata={"help": "initial softmax temperature"})
+    delta_tau: float = field(default=0.01, metadata={"help": "temperature increase per compression"})
+    seed: int = field(default=0, metadata={"help": "seed of the Gumbel noise"})
+
+    def validate(self) -> None:
+        check_at_least("window", self.window, 0)
+        if not 0 < self.tau_init < float("inf"):
+            raise ValueError(f"tau_init must be > 0 and finite, got {self.tau_init}")
+        if not 0 <= self.delta_tau < float("inf"):
+            raise ValueError(f"delta_tau must be >= 0 and finite, got {self.delta_tau}")
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        return 0, self.window
+
+    def min_budget(self) -> int:
+        return max(self.window, 1)
+
+    def logits_noise(self, layer, q_pos, k_pos, num_compressions) -> LogitsNoise:
+        heads = torch.arange(k_pos.shape[0]).view(-1, 1, 1)
+        u = hash_uniform(self.seed, torch.tensor(layer), heads, q_pos.view(1, -1, 1), k_pos.unsqueeze(1))
+        return LogitsNoise(noise=-torch.log(-torch.log(u)).to(torch.float32),
+                           tau=self.tau_init + self.delta_tau * num_compressions)
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        assert obs.attention is not None
+        return reduce_gqa(obs.attention, obs.attention.shape[0] // obs.num_kv_heads, "mean")

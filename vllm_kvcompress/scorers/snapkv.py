@@ -1,0 +1,52 @@
+"""SnapKV: score prefix tokens by the attention of the last prompt queries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels.reference import pool_scores, reduce_gqa
+from .base import Observation, Observe, Scorer, check_at_least, check_choice
+
+POOLINGS = ("avg", "max")
+GQA_REDUCTIONS = ("mean", "max")
+
+
+@dataclass(frozen=True)
+class SnapKV(Scorer):
+    name = "snapkv"
+    observe = Observe.WINDOW
+
+    window: int = field(default=32, metadata={"help": "observation window: last prompt queries, always kept"})
+    kernel_size: int = field(default=5, metadata={"help": "pooling kernel over token scores"})
+    pooling: str = field(default="avg", metadata={"help": "pooling kind", "choices": POOLINGS})
+    gqa_reduce: str = field(default="mean", metadata={
+        "help": "how a GQA group's query heads are reduced", "choices": GQA_REDUCTIONS})
+
+    def validate(self) -> None:
+        check_at_least("window", self.window, 1)
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
+        check_choice("pooling", self.pooling, POOLINGS)
+        check_choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        return 0, self.window
+
+    def min_budget(self) -> int:
+        return self.window
+
+    def window_queries(self) -> int:
+        return self.window
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        assert obs.attention is not None
+        group = obs.attention.shape[0] // obs.num_kv_heads
+        scores = reduce_gqa(obs.attention, group, self.gqa_reduce)
+        # Pool over the prefix only: the window is kept whole anyway. SnapKV's
+        # window ends the prompt, which is still in chronological order then.
+        prefix = max(scores.shape[-1] - self.window, 0)
+        if prefix:
+            scores[:, :prefix] = pool_scores(scores[:, :prefix], self.kernel_size, self.pooling)
+        return scores

@@ -1,0 +1,58 @@
+"""Triggers: when a request compresses.
+
+  once      at the end of prefill, if the prompt is over budget
+  rolling   at the end of prefill, then whenever the cache has grown by
+            `interval` tokens past the budget (bulk eviction, a block at a time)
+  streamed  rolling, and also every `prompt_chunk` prompt tokens while the
+            prompt is prefilled (only scorers that observe no attention: no
+            later query can change their choice)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class Trigger:
+    name: ClassVar[str]
+    rolling: ClassVar[bool] = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for impossible parameter values."""
+
+    def chunk_size(self) -> int:
+        """Prompt tokens prefilled between evictions; 0: the whole prompt first."""
+        return 0
+
+
+@dataclass(frozen=True)
+class Once(Trigger):
+    name = "once"
+
+
+@dataclass(frozen=True)
+class Rolling(Trigger):
+    name = "rolling"
+    rolling = True
+
+
+@dataclass(frozen=True)
+class Streamed(Trigger):
+    name = "streamed"
+    rolling = True
+
+    prompt_chunk: int = field(default=128, metadata={
+        "help": "streamed: evict every this many prefilled prompt tokens, so a request holds at most "
+                "budget + prompt_chunk tokens while prefilling"})
+
+    def validate(self) -> None:
+        if self.prompt_chunk < 1:
+            raise ValueError(f"prompt_chunk must be >= 1, got {self.prompt_chunk}")
+
+    def chunk_size(self) -> int:
+        return self.prompt_chunk
+
+
+TRIGGERS: dict[str, type[Trigger]] = {cls.name: cls for cls in (Once, Rolling, Streamed)}

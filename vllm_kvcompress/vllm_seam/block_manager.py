@@ -1,0 +1,140 @@
+"""Block accounting of compressed requests, as a vLLM KV cache spec and manager.
+
+vLLM's KV cache managers size a request's block table by its *logical* length
+(every token it has seen). A compressed request holds fewer cache slots than
+that, so its KV cache groups carry `CompressedAttentionSpec`, and vLLM's
+coordinator builds a `CompressedAttentionManager` for each such group: it
+allocates by the *physical* length and hands evicted tails back to the pool.
+
+The spec goes through vLLM's own extension point, `KVCacheSpecRegistry`, so
+nothing of vLLM's is patched for it. The engine core's `get_kv_cache_groups`
+wrapper (groups.py) puts the spec into the KV cache config; the workers get
+it with that config and lay out tensors exactly as for `FullAttentionSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from ..planner import cdiv
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompressedAttentionSpec(FullAttentionSpec):
+    """A full-attention group whose requests may hold fewer slots than tokens.
+
+    The cache layout is FullAttentionSpec's: only the manager differs. The
+    class is registered with `uniform_type_base_spec=FullAttentionSpec`, and
+    every check vLLM makes on it is `isinstance(..., FullAttentionSpec)`.
+    """
+
+
+def compressed_spec(spec: FullAttentionSpec) -> CompressedAttentionSpec:
+    """The same group, managed by CompressedAttentionManager."""
+    return CompressedAttentionSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init})
+
+
+class CompressedAttentionManager(FullAttentionManager):
+    """FullAttentionManager that allocates by physical length and frees evicted tails.
+
+    Exists because vLLM sizes block tables by logical length (every token a
+    request has seen): after an eviction, each new token would get a slot
+    past the ones the request really holds, and the freed tail would be
+    allocated again at once. One instance per KV cache group; the scheduler
+    (KVCompressScheduler) tells it, per request, how many tokens were evicted
+    from this group and how many a streamed prompt ever holds.
+
+    Compression turns prefix caching off (engine_args.py), so blocks carry
+    no hashes that eviction would invalidate.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Logical - physical tokens per request, in this group.
+        self.num_evicted: dict[str, int] = {}
+        # Most tokens a streamed prompt ever holds: vLLM admits a waiting
+        # request only if its whole prompt fits, which a streamed prompt never
+        # needs (as vLLM caps sliding-window requests at their window).
+        self.max_tokens: dict[str, int] = {}
+
+    def _physical(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                  apply_admission_cap: bool) -> tuple[int, int]:
+        evicted = self.num_evicted.get(request_id, 0)
+        num_tokens, num_tokens_main_model = num_tokens - evicted, num_tokens_main_model - evicted
+        cap = self.max_tokens.get(request_id) if apply_admission_cap else None
+        if cap is not None:
+            num_tokens, num_tokens_main_model = min(num_tokens, cap), min(num_tokens_main_model, cap)
+        return num_tokens, num_tokens_main_model
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        num_tokens, num_tokens_main_model = self._physical(
+            request_id, num_tokens, num_tokens_main_model, apply_admission_cap)
+        return super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_local_computed_tokens,
+            num_tokens_main_model, apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
+        # Never capped: vLLM allocates only for the tokens it schedules, and a
+        # streamed prompt's chunks end where its evictions are due.
+        num_tokens, num_tokens_main_model = self._physical(request_id, num_tokens, num_tokens_main_model, False)
+        return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+
+    def evict_tail(self, request_id: str, logical_len: int, physical_len: int) -> tuple[int, int]:
+        """Keep the blocks of `physical_len` tokens, give the rest back to the pool.
+
+        The worker compacts the kept tokens into the leading blocks before the
+        step writes anything, so the tail may go to another request this very
+        step. Returns (blocks freed, blocks held).
+        """
+        blocks = self.req_to_blocks.get(request_id, [])
+        keep = cdiv(physical_len, self.block_size)
+        tail = blocks[keep:]
+        del blocks[keep:]
+        # Tail first, as vLLM's own free does: the most recent blocks are the
+        # first to be reused.
+        self.block_pool.free_blocks(reversed(tail))
+        self.num_evicted[request_id] = logical_len - physical_len
+        return len(tail), len(blocks)
+
+    def set_admission_cap(self, request_id: str, max_tokens: int | None) -> None:
+        if max_tokens is None:
+            self.max_tokens.pop(request_id, None)
+        else:
+            self.max_tokens[request_id] = max_tokens
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        # `free` (finish, abort, preemption) and the scheduler's deferred free
+        # both come here: the request's cache is gone, and a resumed request
+        # prefills again from a full-length, uncompressed start.
+        self.num_evicted.pop(request_id, None)
+        self.max_tokens.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
+
+
+def register_compressed_spec(vllm_config=None) -> None:
+    """Tell vLLM's registry which manager CompressedAttentionSpec groups get. Idempotent.
+
+    The registry registers vLLM's built-in specs lazily, and only while it is
+    empty (`KVCacheSpecRegistry._ensure_registered`): registering ours first
+    would leave FullAttentionSpec and every other built-in unregistered, so
+    the built-ins go in first.
+    """
+    KVCacheSpecRegistry._ensure_registered(vllm_config)
+    KVCacheSpecRegistry.register(
+        CompressedAttentionSpec, CompressedAttentionManager, uniform_type_base_spec=FullAttentionSpec)
