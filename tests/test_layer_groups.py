@@ -12,6 +12,7 @@ import pytest
 
 from helpers import BLOCK_SIZE, engine_kwargs, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
+from vllm_kvcompress.plan import resolve_plan
 from vllm_kvcompress.planner import RequestState, cdiv, layer_groups
 
 NEW_TOKENS = 36
@@ -89,6 +90,41 @@ def test_budgets_from_attention_match_reference_and_are_kept(per_layer, referenc
     assert per_layer.stats()["free_blocks"] == per_layer.stats()["total_blocks"]
 
 
+def test_new_compositions_match_reference_and_free_their_blocks(per_layer, reference):
+    """Compositions no paper names: H2O's accumulated attention with AdaKV's
+    per-head budgets (compressing once), TOVA's newest-query attention with
+    PyramidKV's layer budgets (rolling), and a streamed random baseline. Each
+    equals the reference decoder token for token, keeps the lengths the
+    reference keeps per layer, and holds exactly the blocks those lengths need."""
+    prompts = random_prompts((300, 260, 240, 280), seed=59)
+    configs = [
+        {"policy": "h2o", "allocation": "per_head", "trigger": "once", "budget": 64, "alpha": 0.3},
+        {"policy": "tova", "allocation": "pyramid", "budget": 80, "window": 8, "beta": 4, "interval": 16},
+        {"policy": "keyformer", "allocation": "adaptive", "budget": 64, "window": 8},
+        {"policy": "random", "trigger": "streamed", "prompt_chunk": 64, "budget": 48, "window": 4},
+    ]
+    got = per_layer.generate(prompts, NEW_TOKENS, configs)
+    finished = {r["prefill_len"]: r for r in per_layer.stats()["requests"].values() if r["finished"]}
+    wants = {}
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict({**config, "layer_groups": NUM_LAYERS})
+        want = wants[config["policy"]] = reference.generate(prompt, NEW_TOKENS, cfg, block_size=BLOCK_SIZE)
+        assert tokens == want["tokens"], f"{config} prompt {len(prompt)}"
+        stats = finished[len(prompt)]
+        last = want["compressed_lengths"][-1]
+        assert tuple(stats["tokens_kept_per_group"]) == tuple(last), config
+        assert stats["compressions"] == len(want["compressed_lengths"]), config
+        # Held at the end: each layer's own blocks, for what it kept at the
+        # last compression plus the tokens cached since.
+        cached_since = len(prompt) + NEW_TOKENS - 1 - want["compressed_at"][-1]
+        assert stats["blocks_held"] == sum(cdiv(n + cached_since, BLOCK_SIZE) for n in last), config
+    assert sum(wants["h2o"]["dead_slots"]) > 0  # heads really kept unequal counts
+    assert len(set(wants["tova"]["compressed_lengths"][-1])) == NUM_LAYERS  # a pyramid: each layer its own length
+    assert len(wants["tova"]["compressed_lengths"]) > 1  # and rolling
+    assert len(wants["random"]["compressed_at"]) > 1 and wants["random"]["compressed_at"][0] < len(prompts[3])
+    assert per_layer.stats()["free_blocks"] == per_layer.stats()["total_blocks"]
+
+
 def test_budget_above_need_equals_vanilla(per_layer):
     prompts = random_prompts((120, 45), seed=49)
     plain = per_layer.generate(prompts, NEW_TOKENS)
@@ -111,8 +147,9 @@ def test_each_layer_holds_its_own_blocks(per_layer):
     (prompt,) = random_prompts((600,), seed=47)
     config = {"policy": "pyramidkv", "budget": 128, "window": 16}
     per_layer.generate([prompt], 2, [config])  # compressed before the 2nd token is decoded
-    budgets = RequestState.create(KVCompressConfig.from_dict({**config, "layer_groups": NUM_LAYERS}),
-                                  600, layer_groups(NUM_LAYERS, NUM_LAYERS)).budgets
+    plan = resolve_plan(KVCompressConfig.from_dict({**config, "layer_groups": NUM_LAYERS}), 600, NUM_LAYERS,
+                        BLOCK_SIZE)
+    budgets = RequestState.create(plan, layer_groups(NUM_LAYERS, NUM_LAYERS)).budgets
     assert len(set(budgets)) == NUM_LAYERS and budgets[0] > budgets[-1]
     finished = [r for r in per_layer.stats()["requests"].values() if r["finished"] and r["prefill_len"] == 600]
     stats = finished[-1]

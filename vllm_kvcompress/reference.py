@@ -98,8 +98,9 @@ class ReferenceDecoder:
         """Greedy tokens with the config's compression applied on the planner's schedule.
 
         Returns tokens, the kept logical positions per layer at the end, the
-        physical cache length after every compression, and per layer the
-        number of masked (per-head evicted) slots.
+        physical cache length after every compression and the logical length
+        at which it happened, and per layer the number of masked (per-head
+        evicted) slots.
         """
         config = config or KVCompressConfig()
         cache = self._empty_cache()
@@ -110,7 +111,8 @@ class ReferenceDecoder:
         state = None
         if resolved is not None:
             state = RequestCompression(resolved, self.num_layers, self.num_kv_heads, self.num_q_heads)
-        lengths = []
+        lengths: list = []
+        compressed_at: list[int] = []  # logical length at each compression
 
         def compress_if_due(logical: int) -> None:
             targets = plan.next_compression(logical)
@@ -126,6 +128,7 @@ class ReferenceDecoder:
             state.finish_compaction()
             plan.commit(logical, targets)
             lengths.append(targets[0] if len(targets) == 1 else targets)
+            compressed_at.append(logical)
 
         # The prompt in the chunks the planner allows (one chunk unless the
         # trigger streams the prompt), each preceded by any eviction due.
@@ -148,4 +151,5 @@ class ReferenceDecoder:
         kept = [state.positions(i) for i in range(self.num_layers)] if state else None
         # Per-head budgets: per layer, the kept slots some head does not attend.
         dead = [0 if d is None else int(d.sum()) for d in state.dead] if state else None
-        return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths, "dead_slots": dead}
+        return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths,
+                "compressed_at": compressed_at, "dead_slots": dead}

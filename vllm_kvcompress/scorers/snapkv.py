@@ -44,9 +44,13 @@ class SnapKV(Scorer):
         assert obs.attention is not None
         group = obs.attention.shape[0] // obs.num_kv_heads
         scores = reduce_gqa(obs.attention, group, self.gqa_reduce)
-        # Pool over the prefix only: the window is kept whole anyway. SnapKV's
-        # window ends the prompt, which is still in chronological order then.
+        # Pool neighbours in logical order over all but the `window` newest
+        # tokens (kept whole anyway). At the first compaction the cache is
+        # chronological; a rolling trigger compacts it out of order.
+        order = obs.positions.argsort(dim=-1)
         prefix = max(scores.shape[-1] - self.window, 0)
         if prefix:
-            scores[:, :prefix] = pool_scores(scores[:, :prefix], self.kernel_size, self.pooling)
+            chronological = scores.gather(1, order)
+            chronological[:, :prefix] = pool_scores(chronological[:, :prefix], self.kernel_size, self.pooling)
+            scores = scores.scatter(1, order, chronological)
         return scores

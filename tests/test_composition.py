@@ -1,0 +1,298 @@
+"""Every scorer under every budget allocation and trigger, without an engine.
+
+For each composition the configuration allows, a request is driven through
+the planner (when to compress) and `RequestCompression` (which tokens) over a
+prompt and a decode, with synthetic attention; at every compaction the kept
+positions are compared with a plain re-implementation of methods.md's math
+written below (loops, no shared helpers), and the compaction schedule with
+the trigger's rule. The compositions the configuration refuses are exactly
+the ones that cannot be served.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from vllm_kvcompress.budgets import ALLOCATIONS
+from vllm_kvcompress.compression import RequestCompression
+from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
+from vllm_kvcompress.plan import resolve_plan
+from vllm_kvcompress.planner import RequestState, layer_groups
+from vllm_kvcompress.scorers import SCORERS, hash_uniform
+from vllm_kvcompress.triggers import TRIGGERS
+
+NUM_LAYERS, HKV, GROUP = 2, 2, 2
+HQ = HKV * GROUP
+PROMPT, DECODE, BUDGET, INTERVAL, CHUNK = 120, 70, 48, 16, 32
+BLOCK = 32
+# Small protected windows so that scores decide most of the budget.
+SCORER_PARAMS = {
+    "snapkv": {"window": 8, "kernel_size": 5},
+    "h2o": {"recent_ratio": 0.25},
+    "tova": {"window": 4},
+    "keyformer": {"window": 8},
+    "streamingllm": {"sink_tokens": 4},
+    "random": {"window": 4, "seed": 3},
+}
+ATTENTION_SCORERS = {"snapkv", "h2o", "tova", "keyformer"}
+
+
+def config_for(scorer: str, allocation: str, trigger: str) -> dict:
+    data = {"policy": scorer, "allocation": allocation, "trigger": trigger, "budget": BUDGET,
+            "interval": INTERVAL, "layer_groups": NUM_LAYERS, **SCORER_PARAMS[scorer]}
+    if trigger == "streamed":
+        data["prompt_chunk"] = CHUNK
+    return data
+
+
+def refusal(scorer: str, allocation: str, trigger: str) -> str | None:
+    """The field a combination that cannot be served is refused on (None: served)."""
+    if allocation in ("adaptive", "per_head") and scorer not in ATTENTION_SCORERS:
+        return "allocation"  # budgets from attention, and the scorer observes none
+    if allocation == "per_head" and trigger != "once":
+        return "trigger"  # per-head masks are derived once
+    if trigger == "streamed" and scorer in ATTENTION_SCORERS:
+        return "trigger"  # a later prompt query could change the choice
+    return None
+
+
+COMBINATIONS = list(itertools.product(sorted(SCORERS), sorted(ALLOCATIONS), sorted(TRIGGERS)))
+
+
+@pytest.mark.parametrize("scorer, allocation, trigger", COMBINATIONS)
+def test_configuration_serves_exactly_the_sound_combinations(scorer, allocation, trigger):
+    field = refusal(scorer, allocation, trigger)
+    if field is None:
+        KVCompressConfig.from_dict(config_for(scorer, allocation, trigger))
+    else:
+        with pytest.raises(KVCompressConfigError, match=f"kv_compress.{field}: "):
+            KVCompressConfig.from_dict(config_for(scorer, allocation, trigger))
+
+
+# ---------------------------------------------------------------- the plain re-implementation
+
+
+def attention_row(step: int, q_head: int, position: int) -> float:
+    """Synthetic attention of step `step`'s query head to the token at `position` (peaked, no ties)."""
+    return (math.sin(step * 12.9898 + q_head * 78.233 + position * 37.719) * 43758.5453 % 1.0) ** 3
+
+
+def group_mean(values: list[list[float]]) -> list[float]:
+    return [sum(v[i] for v in values) / len(values) for i in range(len(values[0]))]
+
+
+def naive_scores(scorer: str, kv_head: int, layer: int, positions: list[int], attention: dict,
+                 num_compressions: int) -> list[float]:
+    """methods.md's score of each cached token of one KV head (positions in cache order)."""
+    params = SCORER_PARAMS[scorer]
+    if scorer == "streamingllm":
+        return [float(p) for p in positions]
+    if scorer == "random":  # the hash itself is the definition (tested in test_core)
+        return hash_uniform(params["seed"], torch.tensor(layer), torch.tensor(num_compressions),
+                            torch.tensor(kv_head), torch.tensor(positions)).tolist()
+    rows = [[attention.get((q, p), 0.0) for p in positions]
+            for q in range(kv_head * GROUP, (kv_head + 1) * GROUP)]
+    scores = group_mean(rows)
+    if scorer == "snapkv":  # average pooling (zero padding) over the prefix before the window
+        k, prefix = params["kernel_size"], len(positions) - params["window"]
+        pooled = [sum(scores[j] for j in range(i - k // 2, i + k // 2 + 1) if 0 <= j < prefix) / k
+                  for i in range(prefix)]
+        scores = pooled + scores[prefix:]
+    return scores
+
+
+def naive_protected(scorer: str, budget: int) -> tuple[int, int]:
+    params = SCORER_PARAMS[scorer]
+    if scorer == "streamingllm":
+        return params["sink_tokens"], budget - params["sink_tokens"]
+    if scorer == "h2o":
+        return 0, int(budget * params["recent_ratio"])
+    return 0, params.get("window", 0)
+
+
+def naive_ranked(scorer, kv_head, layer, positions, attention, num_compressions, budget) -> list[float]:
+    scores = naive_scores(scorer, kv_head, layer, positions, attention, num_compressions)
+    sinks, recent = naive_protected(scorer, budget)
+    newest = sorted(positions)[-recent:] if recent else []
+    return [math.inf if p < sinks or p in newest else s for p, s in zip(positions, scores)]
+
+
+def assert_top(got: set[int], ranked: list[float], positions: list[int], count: int, where) -> None:
+    """`got` is a top-`count` set of `positions` by `ranked` (any choice among equal scores)."""
+    score = dict(zip(positions, ranked))
+    assert len(got) == min(count, len(positions)) and got <= set(score), where
+    rest = [score[p] for p in positions if p not in got]
+    if rest:
+        assert min(score[p] for p in got) >= max(rest), where
+
+
+def min_budget(scorer: str) -> int:
+    params = SCORER_PARAMS[scorer]
+    if scorer == "snapkv":
+        return params["window"]
+    if scorer == "streamingllm":
+        return params["sink_tokens"] + 1
+    if scorer == "h2o":
+        return 1
+    return max(params.get("window", 0), 1)
+
+
+def naive_layer_keeps(allocation: str, scorer: str, attention_per_layer: list[dict], positions) -> list[int]:
+    """Tokens each layer keeps at the first compression of the prompt."""
+    w = min_budget(scorer)
+    if allocation == "pyramid":  # KVCache-Factory, beta 20
+        lo = (BUDGET - w) // 20
+        hi = 2 * (BUDGET - w) - lo
+        if hi >= PROMPT - w:
+            hi, lo = PROMPT - w, 2 * (BUDGET - w) - (PROMPT - w)
+        step = (hi - lo) // (NUM_LAYERS - 1)
+        return [hi - layer * step + w for layer in range(NUM_LAYERS)]
+    if allocation == "adaptive":  # tokens holding 90% of each query head's attention, averaged
+        needs = []
+        for att in attention_per_layer:
+            per_head = []
+            for q in range(HQ):
+                row = sorted((att.get((q, p), 0.0) for p in positions), reverse=True)
+                total, acc, n = sum(row), 0.0, 0
+                while acc < 0.9 * total:
+                    acc += row[n]
+                    n += 1
+                per_head.append(max(n, 1))
+            needs.append(sum(per_head) / HQ)
+        return [max(w, int(BUDGET * NUM_LAYERS * need / sum(needs))) for need in needs]
+    return [BUDGET] * NUM_LAYERS
+
+
+def naive_head_counts(ranked_per_head: list[list[float]], alpha: float = 0.2) -> list[int]:
+    """AdaKV: each head's own top alpha*budget, then one top over all heads' remaining scores."""
+    floor = int(alpha * BUDGET)
+    own = [set(sorted(range(len(r)), key=lambda i: -r[i])[:floor]) for r in ranked_per_head]
+    rest = sorted(((r[i], h) for h, r in enumerate(ranked_per_head) for i in range(len(r)) if i not in own[h]),
+                  key=lambda x: -x[0])
+    counts = [floor] * len(ranked_per_head)
+    for _, h in rest[: BUDGET * len(ranked_per_head) - floor * len(ranked_per_head)]:
+        counts[h] += 1
+    return counts
+
+
+# ---------------------------------------------------------------- the drive
+
+
+def expected_schedule(trigger: str, budgets: list[int]) -> list[int]:
+    """Logical lengths at which the trigger compresses: the prompt streamed a
+    chunk past the smallest budget at a time, an over-budget prompt at its
+    end, then (rolling) an interval past the budget at a time."""
+    at, physical = [], [0] * len(budgets)
+
+    def due(logical: int, slack: int) -> None:
+        nonlocal physical
+        if max(p - b for p, b in zip(physical, budgets)) >= slack:
+            at.append(logical)
+            physical = [min(p, b) for p, b in zip(physical, budgets)]
+
+    for logical in range(1, PROMPT + DECODE):
+        physical = [p + 1 for p in physical]
+        if logical < PROMPT and trigger == "streamed":
+            due(logical, CHUNK)
+        elif logical == PROMPT:
+            due(logical, 1)
+        elif logical > PROMPT and trigger != "once":
+            due(logical, INTERVAL)
+    return at
+
+
+@pytest.mark.parametrize("scorer, allocation, trigger",
+                         [c for c in COMBINATIONS if refusal(*c) is None])
+def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger):
+    config = KVCompressConfig.from_dict(config_for(scorer, allocation, trigger))
+    plan = resolve_plan(config, PROMPT, NUM_LAYERS, BLOCK)
+    state = RequestState.create(plan, layer_groups(NUM_LAYERS, NUM_LAYERS))
+    rc = RequestCompression(plan, NUM_LAYERS, HKV, HQ)
+    observe = scorer in ATTENTION_SCORERS
+    # The naive side's own view: per layer and KV head, the cached positions
+    # (a set) and the attention accumulated per (query head, position).
+    cached = [[set() for _ in range(HKV)] for _ in range(NUM_LAYERS)]
+    attention = [dict() for _ in range(NUM_LAYERS)]
+    compressed_at = []
+    logical, step = 0, 0
+
+    def feed(positions: list[int]) -> None:
+        nonlocal step
+        rc.append(torch.tensor(positions))
+        for layer in range(NUM_LAYERS):
+            for h in range(HKV):
+                cached[layer][h].update(positions)
+        mask = rc.observed(torch.tensor(positions))
+        if not mask.any():
+            return
+        for q_pos in [p for p, m in zip(positions, mask.tolist()) if m]:
+            step += 1
+            for layer in range(NUM_LAYERS):
+                order = rc.positions(layer)  # [Hkv, T]: the cache order the engine scores in
+                row = torch.tensor([[attention_row(step + 1000 * layer, q, int(p)) if p <= q_pos else 0.0
+                                     for p in order[q // GROUP]] for q in range(HQ)])
+                if scorer == "tova":  # the newest query replaces the last
+                    attention[layer] = {}
+                for q in range(HQ):
+                    for p in cached[layer][q // GROUP]:
+                        if p <= q_pos:
+                            attention[layer][q, p] = attention[layer].get((q, p), 0.0) + \
+                                attention_row(step + 1000 * layer, q, p)
+                rc.accumulate(layer, row)
+
+    def compress_if_due() -> None:
+        targets = state.next_compression(logical)
+        if targets is None:
+            return
+        compressed_at.append(logical)
+        per_head_counts = None
+        for layer in range(NUM_LAYERS):
+            keep = rc.select(layer, targets[layer])
+            got = rc.positions(layer).gather(1, keep)
+            dead = rc._dead_after.get(layer)
+            if allocation == "per_head":
+                ranked_heads = [naive_ranked(scorer, g, layer, sorted(cached[layer][g]), attention[layer],
+                                             rc.num_compressions, BUDGET) for g in range(HKV)]
+                per_head_counts = naive_head_counts(ranked_heads)
+            for h in range(HKV):
+                positions = sorted(cached[layer][h])
+                if per_head_counts is not None:
+                    live = got[h] if dead is None else got[h][~dead[h]]
+                    assert_top(set(live.tolist()), ranked_heads[h], positions, per_head_counts[h], (layer, h))
+                else:
+                    ranked = naive_ranked(scorer, h, layer, positions, attention[layer], rc.num_compressions,
+                                          targets[layer])
+                    assert_top(set(got[h].tolist()), ranked, positions, targets[layer], (layer, h, logical))
+                cached[layer][h] = set(got[h].tolist())
+            rc.compact(layer, keep)
+            for key in [k for k in attention[layer] if k[1] not in cached[layer][k[0] // GROUP]]:
+                del attention[layer][key]
+        if per_head_counts is not None:
+            assert max(per_head_counts) <= targets[-1]
+        rc.finish_compaction()
+        state.commit(logical, targets)
+
+    while logical < PROMPT:  # the prompt, in the chunks the planner allows
+        compress_if_due()
+        cap = state.prefill_cap(logical)
+        end = PROMPT if cap is None else min(PROMPT, logical + cap)
+        feed(list(range(logical, end)))
+        logical = end
+    if state.budgets_pending:  # what the worker reports at prefill end
+        reported = rc.attention_budgets()
+        if allocation == "adaptive":
+            assert list(reported) == naive_layer_keeps(allocation, scorer, attention, list(range(PROMPT)))
+        state.set_layer_budgets(reported)
+    elif observe or allocation == "pyramid":
+        assert list(state.budgets) == naive_layer_keeps(allocation, scorer, attention, list(range(PROMPT)))
+    budgets = list(state.budgets)
+    while logical < PROMPT + DECODE:
+        compress_if_due()
+        feed([logical])
+        logical += 1
+    assert compressed_at == expected_schedule(trigger, budgets)
+    assert compressed_at, "the request was compressed"
