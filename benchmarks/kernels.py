@@ -135,9 +135,9 @@ def make_call(op: str, ops, a, inp, lse: Optional[torch.Tensor]):
     if op.startswith("decode"):
         out = torch.zeros_like(inp["scores"])
         tr = ("gumbel", inp["noise"], 1.0) if op == "decode_gumbel" else None
-        l = lse if op == "decode_lse" else None
+        lse_arg = lse if op == "decode_lse" else None
         return lambda: ops.accumulate_decode_scores(
-            inp["q_dec"], inp["key_cache"], inp["bt"], inp["seq_lens"], out, scale, tr, lse=l,
+            inp["q_dec"], inp["key_cache"], inp["bt"], inp["seq_lens"], out, scale, tr, lse=lse_arg,
             max_seq_len=a.seq_len), out
     if op == "compact":
         kc, vc = inp["key_cache"].clone(), inp["value_cache"].clone()

@@ -194,7 +194,7 @@ def main() -> None:
         cmd += ["--model", args.model] if args.model else []
         print(f"[{policy} layer_groups={groups}] running ...", flush=True)
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent)
-        line = next((l for l in out.stdout.splitlines() if l.startswith(MARKER)), None)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith(MARKER)), None)
         if line is None:
             sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
             raise SystemExit(f"{policy}:{groups} failed")

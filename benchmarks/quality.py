@@ -268,7 +268,8 @@ def main(argv=None) -> int:
     run = dict(date=date, command=command, machine=machine, model=model, model_name=Path(model).name,
                vllm_version=getattr(vllm, "__version__", "?"), length=args.length, samples=args.samples,
                seed=args.seed, tasks=args.tasks, policies=args.policies, kept=args.kept, quick=args.quick,
-               requests=len(prompts), data_s=data_s, startup_s=startup_s, generate_s=generate_s, generate_cpu_s=generate_cpu_s, wall_s=wall_s,
+               requests=len(prompts), data_s=data_s, startup_s=startup_s, generate_s=generate_s,
+               generate_cpu_s=generate_cpu_s, wall_s=wall_s,
                prompt_tokens=sum(len(o.prompt_token_ids or []) for o in outputs),
                output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
                torch_threads=_torch_threads(),
@@ -347,7 +348,8 @@ def markdown(run: dict, table: list[dict], cfgs: list) -> str:
         f"generate {run['generate_s']:.0f} s for {run['requests']} requests in one `llm.generate` call: "
         f"{run['prompt_tokens']} prompt + {run['output_tokens']} output tokens; process CPU time during generate "
         f"{run['generate_cpu_s']:.0f} s, torch threads {run['torch_threads']})",
-        f"- machine: {m['cpu_model']}, {m['cpuinfo_processors']} processors, {m['usable_cpus']} usable, {m['mem_gib']} GiB RAM, "
+        f"- machine: {m['cpu_model']}, {m['cpuinfo_processors']} processors, {m['usable_cpus']} usable, "
+        f"{m['mem_gib']} GiB RAM, "
         f"load average at start {m['loadavg_at_start']}; {m['platform']}, Python {m['python']}",
         f"- model: {run['model_name']} (`{run['model']}`), dtype {DTYPE}, block size {BLOCK_SIZE}, enforce_eager, "
         f"vLLM {run['vllm_version']}, max_model_len {run['max_model_len']}, "
@@ -484,8 +486,8 @@ def plot_pil(path: Path, title: str, panels: list, run: dict) -> Path:
     for j, (name, values) in enumerate(panels):
         x0, y0 = 10 + j * pw + margin, top + 10
         w, h = pw - margin - 20, ph - 40
-        X = lambda k: x0 + (math.log2(k) - lo) / (hi - lo) * w  # noqa: E731
-        Y = lambda s: y0 + h - s * h  # noqa: E731
+        X = lambda k, x0=x0, w=w: x0 + (math.log2(k) - lo) / (hi - lo) * w  # noqa: E731
+        Y = lambda s, y0=y0, h=h: y0 + h - s * h  # noqa: E731
         d.rectangle([x0, y0, x0 + w, y0 + h], outline="black")
         d.text((x0, y0 - 14), name, fill="black")
         for s in (0, 0.5, 1):

@@ -30,9 +30,9 @@ def main() -> int:
     p.add_argument("--model", default=None)
     args = p.parse_args()
 
+    from quality import kv_args  # benchmarks/quality.py
     from transformers import AutoTokenizer
 
-    from quality import kv_args  # benchmarks/quality.py
     from kvc_tools import longctx
     from kvc_tools.models import prepare_smollm2
     from vllm_kvcompress.config import KVCompressConfig

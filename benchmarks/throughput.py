@@ -458,7 +458,7 @@ def run_config(args, name: str, workload: str, wl_file: Path, tmp: Path) -> tupl
     except subprocess.TimeoutExpired:
         print(f"[{workload}/{name}] timed out after {args.timeout} s", file=sys.stderr)
         return dict(config=name, workload=workload, error=f"timeout {args.timeout} s"), {}
-    lines = [l for l in proc.stdout.splitlines() if l.startswith(MARKER)]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
         print(f"[{workload}/{name}] FAILED (rc {proc.returncode}):\n{tail}", file=sys.stderr)
@@ -524,7 +524,7 @@ def summarize(args, workloads: dict, results: dict) -> dict:
     target_gain = 1 / (1 - args.ratio) if args.ratio is not None else None
     summary = {}
     for wname, res in results.items():
-        get = lambda c, k: res.get(c, {}).get(k)  # noqa: E731
+        get = lambda c, k, res=res: res.get(c, {}).get(k)  # noqa: E731
         s = dict(
             concurrency_gain=ratio(get("kvc-small", "peak_running"), get("vanilla-small", "peak_running")),
             concurrency_target=0.9 * target_gain if target_gain else None,

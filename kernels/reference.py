@@ -284,6 +284,7 @@ def accumulate_decode_scores(
         x = torch.matmul(qq, keys.transpose(-1, -2)).reshape(n, hq, t) * scale  # [n, Hq, T]
         valid = (ar[None, :] < lens[r0:r1, None])[:, None, :]  # [n, 1, T]
         if noise is not None:
+            assert tau_t is not None
             x = (x + noise[r0:r1, :, :t].to(device=dev, dtype=torch.float32)) / tau_t[r0:r1, None, None]
         if lse is not None:
             p = torch.exp(x - lse[r0:r1].to(device=dev, dtype=torch.float32)[..., None])

@@ -39,12 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import OP_NAMES  # noqa: E402 (the shared operation list)
 from .reference import (  # torch versions reused on the Triton path (cheap, not fused)
+    OP_NAMES,  # noqa: E402 (the shared operation list)
     LogitsTransform,
     _parse_transform,
-    gather_dense,
-    split_kv_cache,
 )
 
 __all__ = list(OP_NAMES)

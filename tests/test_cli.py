@@ -87,5 +87,5 @@ def test_flags_reach_engine_core_and_worker(tiny_model, tmp_path):
     log = server.output()
     expected = "{'policy': 'snapkv', 'budget': 64, 'window': 8, 'kernel_size': 3}"
     lines = [line for line in log.splitlines() if "kv_compress" in line and "ready" in line]
-    assert any(re.search(r"EngineCore.*scheduler ready", l) and expected in l for l in lines), lines
-    assert any(re.search(r"Worker.*worker ready", l) and expected in l for l in lines), lines
+    assert any(re.search(r"EngineCore.*scheduler ready", ln) and expected in ln for ln in lines), lines
+    assert any(re.search(r"Worker.*worker ready", ln) and expected in ln for ln in lines), lines

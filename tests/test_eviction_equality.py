@@ -16,7 +16,8 @@ from vllm_kvcompress.registry import POLICIES
 NEW_TOKENS = 40
 LENGTHS = (200, 97, 150, 30, 260)
 # Per-layer budgets need a grouped engine: tests/test_layer_groups.py.
-POLICY_NAMES = sorted(name for name, c in POLICIES.items() if name != "none" and c.allocation not in ("pyramid", "adaptive"))
+POLICY_NAMES = sorted(name for name, c in POLICIES.items()
+                      if name != "none" and c.allocation not in ("pyramid", "adaptive"))
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ def run_script(model: str, env: dict | None = None, **kwargs) -> dict:
         capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 

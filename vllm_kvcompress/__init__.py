@@ -70,7 +70,7 @@ class _KeywordsWhenVLLMLoads(importlib.abc.MetaPathFinder):
 
             patches.apply_keyword_support()
 
-        spec.loader.exec_module = exec_then_patch
+        spec.loader.exec_module = exec_then_patch  # type: ignore[method-assign]
         return spec
 
 

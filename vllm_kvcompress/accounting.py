@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 def per_layer(values) -> int | float:
@@ -20,7 +21,7 @@ def per_layer(values) -> int | float:
 class RequestStats:
     policy: str
     prefill_len: int
-    tokens_evicted: int = 0
+    tokens_evicted: int | float = 0  # per layer: a mean over KV cache groups
     blocks_freed: int = 0
     compressions: int = 0
     # Tokens per layer (the mean over KV cache groups, which have equal sizes).
@@ -38,7 +39,7 @@ class CompressionStats:
     max_finished: int = 1000  # finished requests remembered, oldest dropped first
     requests: dict = field(default_factory=dict)  # running
     finished: OrderedDict = field(default_factory=OrderedDict)
-    tokens_evicted: int = 0
+    tokens_evicted: int | float = 0  # per layer: a mean over KV cache groups
     blocks_freed: int = 0
     compressions: int = 0
     requests_compressed: int = 0
@@ -82,7 +83,7 @@ class CompressionStats:
         return r
 
     def snapshot(self, free_blocks: int, per_request: bool = True) -> dict:
-        out = {
+        out: dict[str, Any] = {
             "total_blocks": self.total_blocks,
             "free_blocks": free_blocks,
             "tokens_evicted": self.tokens_evicted,

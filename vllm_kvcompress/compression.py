@@ -36,7 +36,7 @@ class RequestCompression:
         # Per-head budgets: [Hkv, n] slots of the kept part that hold no token
         # of that head (attention masks them); None: every slot is live.
         self.dead: list[torch.Tensor | None] = [None] * num_layers
-        self._dead_after: dict[int, torch.Tensor] = {}  # selected, not yet compacted
+        self._dead_after: dict[int, torch.Tensor | None] = {}  # selected, not yet compacted
 
     # ------------------------------------------------------------ observing
 
@@ -69,7 +69,8 @@ class RequestCompression:
         if self._tail_len == 0:
             self._tail_start = first
         elif first != self._tail_start + self._tail_len:
-            raise RuntimeError(f"kv_compress: non-contiguous positions {first} after {self._tail_start + self._tail_len}")
+            expected = self._tail_start + self._tail_len
+            raise RuntimeError(f"kv_compress: non-contiguous positions {first} after {expected}")
         self._tail_len += n
 
     def num_tokens(self, layer: int) -> int:

@@ -31,7 +31,7 @@ ENGINE_FIELDS = ("layer_groups",)  # fixed at startup: a request cannot change t
 # Common fields other than `policy`, with their types (None when not given).
 _OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "budget": int, "compression_ratio": float,
                                      "interval": int, "layer_groups": int}
-_CHOICES = {"allocation": ALLOCATIONS, "trigger": TRIGGERS}
+_CHOICES: dict[str, Mapping[str, type]] = {"allocation": ALLOCATIONS, "trigger": TRIGGERS}
 
 
 # Short names accepted for fields (the CLI flag is --kv-compress-ratio).

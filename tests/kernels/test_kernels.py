@@ -16,7 +16,8 @@ import os
 import pytest
 import torch
 
-from vllm_kvcompress.kernels import OP_NAMES, get_ops, reference as ref
+from vllm_kvcompress.kernels import OP_NAMES, get_ops
+from vllm_kvcompress.kernels import reference as ref
 from vllm_kvcompress.selection import hole_filling_order
 
 try:

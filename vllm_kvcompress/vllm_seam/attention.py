@@ -22,7 +22,8 @@ class ObserveQueries:
     (rows redone in torch) and score the step's observed queries."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
+        output = super().forward(  # type: ignore[misc]  # a mixin before vLLM's impl class
+            layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         step = worker.active_observation()
         if step is not None and attn_metadata is not None:
             step.mask_heads(layer.layer_name, query, kv_cache, output)

@@ -12,10 +12,16 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import (
-    CONFIG_KEY, FIELD_ALIASES, KVCompressConfig, KVCompressConfigError, all_params, param_field, request_overrides,
-)
 from ..budgets import ALLOCATIONS
+from ..config import (
+    CONFIG_KEY,
+    FIELD_ALIASES,
+    KVCompressConfig,
+    KVCompressConfigError,
+    all_params,
+    param_field,
+    request_overrides,
+)
 from ..planner import layer_groups
 from ..registry import POLICIES
 from ..triggers import TRIGGERS
@@ -41,6 +47,9 @@ _COMMON_OPTIONS = {
 }
 
 
+_PY_TYPES: dict[str, type] = {"int": int, "float": float, "str": str}
+
+
 def _param_options() -> dict[str, tuple[str, type, str]]:
     """One option per component parameter, help listing each component's default."""
     out = {}
@@ -49,7 +58,7 @@ def _param_options() -> dict[str, tuple[str, type, str]]:
         shown = ", ".join(f"{p} {d}" for p, d in defaults.items())
         choices = f.metadata.get("choices")
         text = f.metadata.get("help", name) + (f" {{{', '.join(choices)}}}" if choices else "")
-        type_ = {"int": int, "float": float, "str": str}.get(f.type, f.type)  # type: ignore[call-overload]
+        type_ = _PY_TYPES[str(f.type)] if isinstance(f.type, str) else f.type
         out[name.replace("_", "-")] = (name, type_, f"{text} (default: {shown})")
     return out
 

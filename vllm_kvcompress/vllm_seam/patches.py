@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass
+from typing import Any
 
 VLLM_VERSION = "0.32.0"  # the version this seam was written and tested against
 
@@ -104,10 +105,11 @@ def apply(patches: list[Patch]) -> None:
         module = importlib.import_module(p.module)
         owner = getattr(module, p.owner) if p.owner else module
         raw = owner.__dict__.get(p.attr)
+        new: Any
         if p.kind == "staticmethod":
-            new = staticmethod(make(raw.__func__))
+            new = staticmethod(make(raw.__func__))  # type: ignore[union-attr]
         elif p.kind == "classmethod":
-            new = classmethod(make(raw.__func__))
+            new = classmethod(make(raw.__func__))  # type: ignore[union-attr]
         else:
             new = make(raw)
             if raw is not None:
