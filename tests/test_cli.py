@@ -46,6 +46,8 @@ def serve_parser():
     (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--kv-compress-kernel-size", "3"],
      "kv_compress.kernel_size: unknown field for policy 'h2o'"),
     (["--kv-compress-budget", "64"], "needs a policy other than 'none'"),
+    (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--kv-compress-allocation", "per_head"],
+     "kv_compress.trigger: allocation 'per_head' compresses once"),
 ])
 def test_bad_flag_combinations_name_the_field(tiny_model, args, needle):
     from vllm.engine.arg_utils import AsyncEngineArgs

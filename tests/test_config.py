@@ -75,6 +75,42 @@ def test_every_policy_has_a_recipe_that_validates():
     assert names >= set(POLICIES) - {"none"}
 
 
+def test_compositions_from_every_entry_point_shape():
+    """allocation and trigger replace a policy's own; their parameters join the policy's."""
+    cfg = KVCompressConfig.from_dict({"policy": "h2o", "allocation": "per_head", "trigger": "once",
+                                      "budget": 64, "alpha": 0.5})
+    parts = cfg.components()
+    assert (parts.scorer.name, parts.allocation.name, parts.trigger.name) == ("h2o", "per_head", "once")
+    assert parts.allocation.alpha == 0.5 and KVCompressConfig.from_dict(cfg.to_dict()) == cfg
+    # Per request: switching the allocation drops the inherited allocation's parameters.
+    pyramid = KVCompressConfig.from_dict({"policy": "tova", "allocation": "pyramid", "budget": 64, "beta": 4,
+                                          "layer_groups": 4})
+    assert pyramid.merged({"allocation": "uniform"}).to_dict() == {
+        "policy": "tova", "allocation": "uniform", "budget": 64, "layer_groups": 4}
+    # A prompt chunk alone streams the prompt; 0 means "do not stream".
+    assert KVCompressConfig.from_dict({"policy": "window", "budget": 64, "prompt_chunk": 32}).trigger == "streamed"
+    assert KVCompressConfig.from_dict({"policy": "window", "budget": 64, "prompt_chunk": 0}).trigger is None
+    names = {p.stem for p in RECIPES}
+    assert {"h2o-per-head", "tova-pyramid"} <= names
+
+
+@pytest.mark.parametrize("data, field, hint", [
+    ({"policy": "h2o", "allocation": "heads", "budget": 64}, "kv_compress.allocation", "'per_head'"),
+    ({"policy": "h2o", "trigger": "never", "budget": 64}, "kv_compress.trigger", "'rolling'"),
+    ({"policy": "h2o", "allocation": "per_head", "budget": 64}, "kv_compress.trigger", "'once'"),
+    ({"policy": "streamingllm", "allocation": "per_head", "budget": 64}, "kv_compress.allocation", "observes none"),
+    ({"policy": "snapkv", "trigger": "streamed", "budget": 64}, "kv_compress.trigger", "no attention"),
+    ({"policy": "tova", "allocation": "pyramid", "budget": 64}, "kv_compress.layer_groups", "per-layer"),
+    ({"policy": "snapkv", "budget": 64, "alpha": 0.5}, "kv_compress.alpha", "valid fields"),
+    ({"policy": "none", "allocation": "pyramid"}, "kv_compress.allocation", "other than 'none'"),
+    ({"policy": "keyformer", "budget": 64, "tau_init": float("nan")}, "kv_compress.tau_init", "finite"),
+    ({"policy": "h2o", "budget": 64, "recent_ratio": float("inf")}, "kv_compress.recent_ratio", "finite"),
+])
+def test_composition_errors_name_the_field(data, field, hint):
+    message = error(data)
+    assert message.startswith(field + ":") and hint in message, message
+
+
 def test_yaml_errors_are_clear(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("kv_compress:\n  policy: h2o\n  budget: 64\n  window: 8\n")

@@ -31,7 +31,7 @@ def run_script(model: str, env: dict | None = None, **kwargs) -> dict:
     ({"kv_compress": "bogus"}, "kv_compress.policy: unknown policy 'bogus'"),
     ({"kv_compress": "snapkv"}, "kv_compress.budget"),
     ({"kv_compress": "snapkv", "kv_compress_ratio": 1.0}, "kv_compress.compression_ratio: must be in [0, 1)"),
-    ({"kv_compress": "snapkv", "kv_compress_budget": 64, "kv_compress_pooling": "mode"}, "pooling must be one of"),
+    ({"kv_compress": "snapkv", "kv_compress_budget": 64, "kv_compress_pooling": "mode"}, "kv_compress.pooling: must be one of"),
     ({"kv_compress": {"policy": "h2o", "budget": 64, "window": 3}}, "kv_compress.window"),
     ({"additional_config": {"kv_compress": {"policy": "snapkv", "compression_ratio": 1.2}}},
      "kv_compress.compression_ratio"),

@@ -27,12 +27,10 @@ class Trigger:
         return 0
 
 
-@dataclass(frozen=True)
-class Once(Trigger):
+class Once(Trigger):  # no parameters: the base's dataclass serves
     name = "once"
 
 
-@dataclass(frozen=True)
 class Rolling(Trigger):
     name = "rolling"
     rolling = True

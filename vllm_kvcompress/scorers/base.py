@@ -12,7 +12,7 @@ combinations).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -89,6 +89,22 @@ class Scorer:
     def score(self, obs: Observation) -> torch.Tensor:
         """[num_kv_heads, T] float scores; the lowest are evicted."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class KeepsRecent(Scorer):
+    """A scorer that always keeps the `window` newest tokens."""
+
+    window: int = field(default=0, metadata={"help": "newest tokens always kept"})
+
+    def validate(self) -> None:
+        check_at_least("window", self.window, 0)
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        return 0, self.window
+
+    def min_budget(self) -> int:
+        return max(self.window, 1)
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

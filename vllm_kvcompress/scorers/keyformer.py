@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.reference import reduce_gqa
-from .base import LogitsNoise, Observation, Observe, Scorer, check_at_least, hash_uniform
+from .base import KeepsRecent, LogitsNoise, Observation, Observe, hash_uniform
 
 
 @dataclass(frozen=True)
-class Keyformer(Scorer):
+class Keyformer(KeepsRecent):
     name = "keyformer"
     observe = Observe.ALL
     noisy = True
@@ -22,17 +22,11 @@ class Keyformer(Scorer):
     seed: int = field(default=0, metadata={"help": "seed of the Gumbel noise"})
 
     def validate(self) -> None:
-        check_at_least("window", self.window, 0)
+        super().validate()
         if not 0 < self.tau_init < float("inf"):
             raise ValueError(f"tau_init must be > 0 and finite, got {self.tau_init}")
         if not 0 <= self.delta_tau < float("inf"):
             raise ValueError(f"delta_tau must be >= 0 and finite, got {self.delta_tau}")
-
-    def protected(self, budget: int) -> tuple[int, int]:
-        return 0, self.window
-
-    def min_budget(self) -> int:
-        return max(self.window, 1)
 
     def logits_noise(self, layer, q_pos, k_pos, num_compressions) -> LogitsNoise:
         heads = torch.arange(k_pos.shape[0]).view(-1, 1, 1)

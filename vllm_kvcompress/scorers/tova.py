@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..kernels.reference import reduce_gqa
-from .base import Observation, Observe, Scorer, check_at_least
+from .base import KeepsRecent, Observation, Observe
 
 
 @dataclass(frozen=True)
-class TOVA(Scorer):
+class TOVA(KeepsRecent):
     name = "tova"
     observe = Observe.LAST
-
-    window: int = field(default=0, metadata={"help": "newest tokens always kept"})
-
-    def validate(self) -> None:
-        check_at_least("window", self.window, 0)
-
-    def protected(self, budget: int) -> tuple[int, int]:
-        return 0, self.window
-
-    def min_budget(self) -> int:
-        return max(self.window, 1)
 
     def score(self, obs: Observation) -> torch.Tensor:
         # The newest query's attention averaged over each KV head's own query

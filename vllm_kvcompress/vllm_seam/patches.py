@@ -1,6 +1,6 @@
 """Every vLLM symbol this plugin wraps, replaces or subclasses: the whole seam.
 
-Each entry names the symbol and says in one line why. `apply_all()` installs
+Each entry names the symbol and says why. `apply_all()` installs
 them once per process (vLLM calls the plugin in the API server, the engine
 core, each worker and a model-inspection subprocess). Wrappers are inert
 unless the engine was configured with `kv_compress`: with the plugin installed
@@ -24,7 +24,11 @@ Subclasses that vLLM instantiates for us (not patches):
     attention.KVCompressCPUBackend/Impl, registered for CPU_ATTN on CPU;
     vllm.v1.attention.backends.flash_attn.FlashAttentionBackend/Impl ->
     attention.KVCompressFlashBackend/Impl, registered for FLASH_ATTN on CUDA.
-    Both only add, after `forward`, the scoring of the step's observed queries.
+    After vLLM's `forward` they redo the output rows of requests whose KV
+    heads keep different counts (per-head budgets: each head's evicted slots
+    masked) and score the step's observed queries.
+
+Patched symbols: the table below, one line each.
 """
 
 from __future__ import annotations
@@ -43,41 +47,48 @@ class Patch:
     owner: str  # class name inside module ("" for a module-level function)
     attr: str
     make: str  # "seam_module.function": original -> replacement (imported when applied)
+    kind: str  # method | staticmethod | classmethod | function
     why: str
-    kind: str = "method"  # method | staticmethod | classmethod
 
 
-PATCHES = [
-    Patch("vllm.engine.arg_utils", "EngineArgs", "add_cli_args", "engine_args.wrap_add_cli_args",
-          "add the KVCompress flag group to every vLLM parser", "staticmethod"),
-    Patch("vllm.engine.arg_utils", "EngineArgs", "from_cli_args", "engine_args.wrap_from_cli_args",
-          "fold --kv-compress-* flags into additional_config (from_cli_args copies fields only)",
-          "classmethod"),
-    Patch("vllm.engine.arg_utils", "EngineArgs", "__init__", "engine_args.wrap_init",
-          "accept LLM(kv_compress=...) keywords (unknown fields raise TypeError otherwise)"),
-    Patch("vllm.engine.arg_utils", "AsyncEngineArgs", "__init__", "engine_args.wrap_init",
-          "same for the async engine's arguments (a dataclass with its own __init__)"),
-    Patch("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", "engine_args.wrap_create_engine_config",
-          "validate the config and refuse or make safe what compression cannot serve"),
-    Patch("vllm.v1.engine.input_processor", "InputProcessor", "_validate_params",
-          "engine_args.wrap_validate_params",
-          "reject a bad per-request extra_args['kv_compress'] before it reaches the engine core"),
-    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "initialize_kv_cache",
-          "worker.wrap_initialize_kv_cache",
-          "set up compression (and self-test the cache layout) once the KV cache exists"),
-    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states", "worker.wrap_update_states",
-          "compact evicted KV and truncate block tables before new block ids are appended"),
-    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs", "worker.wrap_prepare_inputs",
-          "physical slot mapping and seq_lens; positions (RoPE) stay logical"),
-    Patch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", "worker.wrap_sample_tokens",
-          "carry layer budgets decided from a prompt's attention back to the scheduler"),
-    Patch("vllm.v1.core.kv_cache_utils", "", "get_kv_cache_groups", "groups.wrap_get_kv_cache_groups",
-          "split the layers into --kv-compress-layer-groups KV cache groups (own block table each)"),
-    Patch("vllm.v1.worker.utils", "AttentionGroup", "build_metadata", "worker.wrap_build_metadata",
-          "each KV cache group's seq_lens follow that group's physical length"),
-    Patch("vllm.v1.engine.core", "EngineCore", "kv_compress_stats", "scheduler.make_engine_stats",
-          "a utility method so LLM/serve clients can read the scheduler's compression stats"),
-]
+# module | owner ("" for a module-level function) | attribute | seam_module.function (original ->
+# replacement) | kind | why. One line each: the whole seam at a glance.
+_TABLE = """
+vllm.engine.arg_utils | EngineArgs | add_cli_args | engine_args.wrap_add_cli_args | staticmethod
+    | add the KVCompress flag group to every vLLM parser
+vllm.engine.arg_utils | EngineArgs | from_cli_args | engine_args.wrap_from_cli_args | classmethod
+    | fold --kv-compress-* flags into additional_config (from_cli_args copies fields only)
+vllm.engine.arg_utils | EngineArgs | __init__ | engine_args.wrap_init | method
+    | accept LLM(kv_compress=...) keywords (unknown fields raise TypeError otherwise)
+vllm.engine.arg_utils | AsyncEngineArgs | __init__ | engine_args.wrap_init | method
+    | same for the async engine's arguments (a dataclass with its own __init__)
+vllm.engine.arg_utils | EngineArgs | create_engine_config | engine_args.wrap_create_engine_config | method
+    | validate the config and refuse or make safe what compression cannot serve
+vllm.v1.engine.input_processor | InputProcessor | _validate_params | engine_args.wrap_validate_params | method
+    | reject a bad per-request extra_args['kv_compress'] before it reaches the engine core
+vllm.v1.worker.gpu_model_runner | GPUModelRunner | initialize_kv_cache | worker.wrap_initialize_kv_cache | method
+    | set up compression (and self-test the cache layout) once the KV cache exists
+vllm.v1.worker.gpu_model_runner | GPUModelRunner | _update_states | worker.wrap_update_states | method
+    | compact evicted KV and truncate block tables before new block ids are appended
+vllm.v1.worker.gpu_model_runner | GPUModelRunner | _prepare_inputs | worker.wrap_prepare_inputs | method
+    | physical slot mapping and seq_lens; positions (RoPE) stay logical
+vllm.v1.worker.gpu_model_runner | GPUModelRunner | sample_tokens | worker.wrap_sample_tokens | method
+    | carry layer budgets decided from a prompt's attention back to the scheduler
+vllm.v1.core.kv_cache_utils | | get_kv_cache_groups | groups.wrap_get_kv_cache_groups | function
+    | KV cache groups carry CompressedAttentionSpec; --kv-compress-layer-groups splits the layers
+vllm.v1.worker.utils | AttentionGroup | build_metadata | worker.wrap_build_metadata | method
+    | each KV cache group's seq_lens follow that group's physical length
+vllm.v1.engine.core | EngineCore | kv_compress_stats | scheduler.make_engine_stats | method
+    | a utility method so LLM/serve clients can read the scheduler's compression stats
+"""
+
+
+def _parse(table: str) -> list[Patch]:
+    rows = table.strip().replace("\n    |", " |").splitlines()
+    return [Patch(*(cell.strip() for cell in row.split("|"))) for row in rows]
+
+
+PATCHES = _parse(_TABLE)
 
 _applied: set[tuple[str, ...]] = set()
 
