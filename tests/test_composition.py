@@ -278,7 +278,7 @@ def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger
 
     while logical < PROMPT:  # the prompt, in the chunks the planner allows
         compress_if_due()
-        cap = state.prefill_cap(logical)
+        cap = state.tokens_until_due(logical)
         end = PROMPT if cap is None else min(PROMPT, logical + cap)
         feed(list(range(logical, end)))
         logical = end

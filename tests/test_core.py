@@ -138,13 +138,50 @@ def test_planner_schedule():
 def test_planner_streams_a_prompt_in_chunks():
     cfg = KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64, "prompt_chunk": 32})
     state = RequestState.create(plan(cfg, 200))
-    assert state.prefill_cap(0) == 96  # budget + chunk before the first eviction
+    assert state.tokens_until_due(0) == 96  # budget + chunk before the first eviction
     assert state.next_compression(95) is None and state.next_compression(96) == (64,)
     state.commit(96, (64,))
-    assert state.prefill_cap(96) == 32 and state.next_compression(127) is None
-    assert state.prefill_cap(200) is None  # prompt done: decode rolls as usual
+    assert state.tokens_until_due(96) == 32 and state.next_compression(127) is None
+    assert state.max_physical(200) == 64 + 32  # what admitting it needs
     plain = RequestState.create(plan(KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64}), 200))
-    assert plain.prefill_cap(0) is None and plain.next_compression(150) is None
+    assert plain.tokens_until_due(0) == 200 and plain.next_compression(150) is None  # the prompt whole
+    assert plain.max_physical(200) is None  # a fresh prompt must fit whole, as in vLLM
+
+
+@pytest.mark.parametrize("config", [
+    {"policy": "h2o", "budget": 64, "interval": 8},
+    {"policy": "snapkv", "budget": 64},
+    {"policy": "streamingllm", "budget": 48, "prompt_chunk": 40},
+    {"policy": "tova", "allocation": "pyramid", "budget": 64, "layer_groups": 4},
+    {"policy": "h2o", "budget": 400},  # prompt within budget: compressed only while decoding
+])
+def test_a_resumed_request_compresses_where_its_first_life_did(config):
+    """After preemption vLLM recomputes prompt and outputs as one prefill; its
+    chunks end where the first life compressed, so the same compressions happen."""
+    cfg = KVCompressConfig.from_dict(config)
+    groups = layer_groups(4, cfg.num_layer_groups)
+    prompt_len, total = 300, 520
+
+    def run(first_chunk_end) -> list[tuple[int, tuple[int, ...]]]:
+        state = RequestState.create(plan(cfg, prompt_len, 4), groups)
+        done, points = 0, []
+        while done < total:
+            targets = state.next_compression(done)
+            if targets is not None:
+                state.commit(done, targets)
+                points.append((done, targets))
+            cap = state.tokens_until_due(done)
+            step = first_chunk_end(done)
+            done = min(total, done + (step if cap is None else min(step, cap)))
+        return points
+
+    # First life: the prompt (vLLM's chunks of 256), then one token per step.
+    first = run(lambda done: 256 if done < prompt_len else 1)
+    # Resumed after preemption: everything in one prefill, capped only by the plan.
+    resumed = run(lambda done: total)
+    assert first == resumed and first
+    state = RequestState.create(plan(cfg, prompt_len, 4), groups)
+    assert state.max_physical(total) < total  # admission needs only what the replay holds
 
 
 def test_pyramid_budgets_follow_the_reference_schedule_and_group_into_tiers():

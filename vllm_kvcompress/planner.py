@@ -108,23 +108,50 @@ class RequestState:
             return targets
         return None
 
-    def prefill_cap(self, logical_len: int) -> int | None:
-        """Most prompt tokens the next step may prefill (None: no limit).
+    def tokens_until_due(self, logical_len: int) -> int | None:
+        """Most tokens the next step may compute before a compression is due (None: no limit).
 
-        A streamed prompt's chunk must end where its next eviction is due, so
-        that every run (any batch, any chunking) evicts at the same tokens.
+        A chunk of tokens computed together must end where the next
+        compression is due, so that every run compresses at the same tokens
+        whatever its batching and chunking: a streamed prompt, and a preempted
+        request that recomputes its prompt and outputs as one prefill (it
+        then replays its compressions at the points of its first life).
+        Called after this step's compressions were planned, so nothing is due now.
         """
-        chunk = self._prompt_chunk()
-        if not chunk or self.plan is None or self.budgets is None or logical_len >= self.plan.prompt_len:
+        if self.plan is None or self.budgets is None:
             return None
-        return max(min(b + chunk - p for p, b in zip(self.physical(logical_len), self.budgets)), 0)
+        physical = self.physical(logical_len)
+        if logical_len < self.plan.prompt_len:  # the prompt's end is always a compression point
+            cap = self.plan.prompt_len - logical_len
+            chunk = self._prompt_chunk()
+            if chunk:
+                cap = min(cap, min(b + chunk - p for p, b in zip(physical, self.budgets)))
+            return max(cap, 0)
+        if not self.plan.trigger.rolling:
+            return None
+        return max(min(b + self.plan.interval - p for p, b in zip(physical, self.budgets)), 1)
 
-    def max_physical(self) -> int | None:
-        """Most tokens a streamed prompt ever holds (None: not bounded before prefill ends)."""
-        chunk = self._prompt_chunk()
-        if not chunk or self.plan is None or self.budgets is None:
+    def max_physical(self, total_len: int) -> int | None:
+        """Most tokens the request holds while computing its first `total_len`
+        tokens, for admission (None: all of them, as vLLM assumes).
+
+        Bounded for a streamed prompt, and for a preempted request that
+        recomputes prompt and outputs (compressing on the way, as in its
+        first life); otherwise admission needs the whole prompt, as without
+        compression.
+        """
+        if self.plan is None or self.budgets is None:
             return None
-        return max(self.budgets) + max(chunk, self.plan.interval)
+        chunk = self._prompt_chunk()
+        prompt_len = self.plan.prompt_len
+        if not chunk and total_len <= prompt_len:
+            return None
+        most = max(self.budgets)
+        # The prompt: whole, or a chunk past the budget at a time.
+        hold = most + max(chunk, self.plan.interval) if chunk else prompt_len
+        # After it: the budget plus an interval (rolling), or every output (once).
+        after = most + self.plan.interval if self.plan.trigger.rolling else min(most, prompt_len) + total_len - prompt_len
+        return min(total_len, max(hold, after))
 
     def _prompt_chunk(self) -> int:
         return 0 if self.plan is None else self.plan.trigger.chunk_size()

@@ -135,7 +135,7 @@ class ReferenceDecoder:
         logical = 0
         while logical < len(prompt):
             compress_if_due(logical)
-            cap = plan.prefill_cap(logical)
+            cap = plan.tokens_until_due(logical)
             end = len(prompt) if cap is None else min(len(prompt), logical + cap)
             logits = self._forward(prompt[logical:end], torch.arange(logical, end), cache, state)
             logical = end

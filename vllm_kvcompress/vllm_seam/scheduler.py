@@ -66,17 +66,20 @@ class KVCompressScheduler(Scheduler):
             # Validated in the front end (InputProcessor) already.
             overrides = request_overrides(params.extra_args if params else None)
             config = self.kvc_config.merged(overrides) if overrides else self.kvc_config
-            # A resumed (preempted) request re-prefills its outputs too.
-            prefill_len = max(request.num_prompt_tokens, request.num_tokens - 1)
-            # Resolved once, here: the workers get this very plan.
-            plan = resolve_plan(config, prefill_len, len(self.kvc_group_of_layer), self.kvc_block_size)
+            # Resolved once, here: the workers get this very plan. A resumed
+            # (preempted) request gets its first life's plan (same prompt) and
+            # recomputes prompt and outputs in chunks that end at its first
+            # life's compression points (`tokens_until_due`): same tokens kept.
+            plan = resolve_plan(config, request.num_prompt_tokens, len(self.kvc_group_of_layer),
+                                self.kvc_block_size)
             state = RequestState.create(plan, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
-            cap = state.max_physical()
+            cap = state.max_physical(request.num_tokens)
             for manager in self._kvc_managers:
                 manager.set_admission_cap(request.request_id, cap)
             self._kvc_started[request.request_id] = StartedRequest(request.request_id, plan)
-            self.kvc_stats.start(request.request_id, prefill_len, config.policy)
+            prefilled = max(request.num_prompt_tokens, request.num_tokens - 1)  # a resumed one's outputs too
+            self.kvc_stats.start(request.request_id, prefilled, config.policy)
         return state
 
     def _plan_compressions(self) -> list[Compaction]:
@@ -131,9 +134,9 @@ class KVCompressScheduler(Scheduler):
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         # vLLM's last word on a request's chunk (running and waiting alike): a
-        # streamed prompt's chunk ends where its next eviction is due.
+        # chunk ends where the request's next compression is due.
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        cap = self._request_state(request).prefill_cap(num_computed_tokens)
+        cap = self._request_state(request).tokens_until_due(num_computed_tokens)
         return num_new_tokens if cap is None else min(num_new_tokens, cap)
 
     def _write_snapshot(self) -> None:

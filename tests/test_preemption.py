@@ -1,0 +1,80 @@
+"""A preempted request gives the answer it gives alone.
+
+vLLM preempts a running request when the KV cache runs out: it frees all of
+the request's blocks and later recomputes prompt and outputs as one prefill.
+The plugin then recomputes in chunks that end at the request's first-life
+compression points, so the same tokens are kept. Here a small cache (48
+blocks of 32 tokens) and long uncompressed neighbours force preemptions; every
+policy's request must equal the same request run alone (no preemption) and the
+reference decoder, and the pool must be whole afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import BLOCK_SIZE, engine_kwargs, random_prompts
+from vllm_kvcompress.config import KVCompressConfig
+from vllm_kvcompress.registry import POLICIES
+
+NUM_BLOCKS = 48
+NEW_TOKENS = 160
+NUM_LAYERS = 4
+# Long uncompressed neighbours, added first: vLLM preempts the newest requests.
+FILLERS = 4
+
+SINGLE_GROUP = [
+    {"policy": name, "budget": 64, "window": 8} if name in ("snapkv", "adakv", "tova", "keyformer", "random")
+    else {"policy": name, "budget": 64}
+    for name, c in sorted(POLICIES.items()) if name != "none" and c.allocation not in ("pyramid", "adaptive")
+] + [
+    {"policy": "streamingllm", "budget": 48, "prompt_chunk": 64},
+    {"policy": "h2o", "allocation": "per_head", "trigger": "once", "budget": 64},
+    {"policy": "snapkv", "compression_ratio": 0.75, "window": 8},
+]
+PER_LAYER = [
+    {"policy": "pyramidkv", "budget": 80, "window": 8},
+    {"policy": "adaptive", "budget": 64, "window": 8},
+    {"policy": "tova", "allocation": "pyramid", "budget": 64, "window": 4, "interval": 16},
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from vllm_kvcompress.reference import ReferenceDecoder
+
+    return ReferenceDecoder(tiny_model)
+
+
+def check(engine, reference, configs, groups, seed):
+    fillers = random_prompts([220] * FILLERS, seed=seed)
+    prompts = random_prompts([180 + 7 * i for i in range(len(configs))], seed=seed + 1)
+    before = engine.stats()["preemptions"]
+    got = engine.generate(fillers + prompts, NEW_TOKENS, [None] * FILLERS + configs)[FILLERS:]
+    stats = engine.stats()
+    assert stats["preemptions"] > before, "the cache was meant to be too small"
+    preempted = {k.split("#")[0] for k in stats["requests"] if "#preempted" in k}
+    lengths = {len(p) for p in prompts}
+    resumed = [r for k, r in stats["requests"].items()
+               if k in preempted and r["finished"] and r["prefill_len"] not in lengths]
+    assert resumed, "some compressed requests were meant to be preempted and resumed"
+    assert stats["free_blocks"] == stats["total_blocks"]
+    alone = [engine.generate([p], NEW_TOKENS, [c])[0] for p, c in zip(prompts, configs)]
+    assert engine.stats()["preemptions"] == stats["preemptions"]  # alone: never preempted
+    for prompt, config, tokens, single in zip(prompts, configs, got, alone):
+        cfg = KVCompressConfig.from_dict({**config, "layer_groups": groups})
+        want = reference.generate(prompt, NEW_TOKENS, cfg, block_size=BLOCK_SIZE)["tokens"]
+        assert single == want, f"alone: {config}"
+        assert tokens == want, f"preempted: {config}"
+    assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]
+
+
+def test_every_policy_survives_preemption(start_engine, tiny_model, reference):
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", num_gpu_blocks_override=NUM_BLOCKS))
+    check(engine, reference, SINGLE_GROUP, 1, seed=71)
+
+
+def test_per_layer_budgets_survive_preemption(start_engine, tiny_model, reference):
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS,
+                                          num_gpu_blocks_override=NUM_BLOCKS * NUM_LAYERS))
+    check(engine, reference, PER_LAYER, NUM_LAYERS, seed=73)
