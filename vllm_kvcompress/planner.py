@@ -150,7 +150,10 @@ class RequestState:
         # The prompt: whole, or a chunk past the budget at a time.
         hold = most + max(chunk, self.plan.interval) if chunk else prompt_len
         # After it: the budget plus an interval (rolling), or every output (once).
-        after = most + self.plan.interval if self.plan.trigger.rolling else min(most, prompt_len) + total_len - prompt_len
+        if self.plan.trigger.rolling:
+            after = most + self.plan.interval
+        else:
+            after = min(most, prompt_len) + total_len - prompt_len
         return min(total_len, max(hold, after))
 
     def _prompt_chunk(self) -> int:
