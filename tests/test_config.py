@@ -42,6 +42,7 @@ def test_defaults_and_round_trip():
     ({"policy": "h2o", "budget": 64, "recent_ratio": 2.0}, "recent_ratio", "[0, 1]"),
     ({"policy": "none", "budget": 64}, "kv_compress.policy", "other than 'none'"),
     ({"policy": "h2o", "budget": 64, "interval": 0}, "kv_compress.interval", ">= 1"),
+    ({"compression_ratio": 1.5}, "kv_compress.compression_ratio", "[0, 1)"),  # the value, not the missing policy
 ])
 def test_errors_name_the_field_and_the_valid_values(data, field, hint):
     message = error(data)
@@ -61,6 +62,10 @@ def test_merged_per_request_overrides():
     assert base.merged({"policy": "none"}) == KVCompressConfig()
     with pytest.raises(KVCompressConfigError, match="kv_compress.kernel_size"):
         base.merged({"policy": "h2o", "kernel_size": 3})
+    # A request may restate the engine's layer groups (none given means 1), not change them.
+    assert base.merged({"layer_groups": 1}).num_layer_groups == 1
+    with pytest.raises(KVCompressConfigError, match="kv_compress.layer_groups: an engine setting"):
+        base.merged({"layer_groups": 2})
 
 
 def test_ratio_budget_resolution():
@@ -119,6 +124,11 @@ def test_yaml_errors_are_clear(tmp_path):
     bad.write_text("- snapkv\n")
     with pytest.raises(KVCompressConfigError, match="mapping"):
         KVCompressConfig.from_yaml(bad)
+    bad.write_text("kv_compress: {policy: [snapkv\n")
+    with pytest.raises(KVCompressConfigError, match="kv_compress.config: the recipe .* is not valid YAML"):
+        KVCompressConfig.from_yaml(bad)
+    with pytest.raises(KVCompressConfigError, match="kv_compress.config: cannot read the recipe .*missing.yaml"):
+        KVCompressConfig.from_yaml(tmp_path / "missing.yaml")
 
 
 def test_request_overrides_from_extra_args():

@@ -138,10 +138,10 @@ class KVCompressConfig:
                 if common[name] is not None:
                     raise _fail(name, "needs a policy other than 'none'")
         params = composition_params(policy, common["allocation"], common["trigger"])
-        unknown = sorted(k for k in data if k not in params)
+        unknown = sorted((k for k in data if k not in params), key=str)
         if unknown:
             raise _fail(
-                unknown[0],
+                _field_name(unknown[0]),
                 f"unknown field for policy {policy!r}"
                 f"{_describe(common['allocation'], common['trigger'])}; valid fields: "
                 f"{list(COMMON_FIELDS) + sorted(params)}",
@@ -155,8 +155,15 @@ class KVCompressConfig:
     def from_yaml(cls, path: str | Path) -> KVCompressConfig:
         import yaml
 
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise _fail("config", f"cannot read the recipe {str(path)!r} (--kv-compress-config): "
+                                  f"{e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            problem = " ".join(str(e).split())
+            raise _fail("config", f"the recipe {str(path)!r} is not valid YAML: {problem}") from None
         if not isinstance(data, Mapping):
             raise KVCompressConfigError(f"{path}: a kv_compress recipe must be a YAML mapping")
         # Recipes may nest everything under `kv_compress:`.
@@ -177,21 +184,22 @@ class KVCompressConfig:
         overrides = dict(overrides)
         engine = {name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None}
         for name in ENGINE_FIELDS:
-            if name in overrides and overrides[name] != getattr(self, name):
+            # Not given means 1 group: a request may restate the engine's value.
+            if name in overrides and overrides[name] != (getattr(self, name) or 1):
                 if not startup:
                     raise _fail(name, "an engine setting, fixed at startup; a request cannot change it")
                 engine[name] = overrides[name]
         base = self.to_dict()
         policy = overrides.get("policy", self.policy)
-        if policy == "none":
+        if policy is None or policy == "none":
             base = {}  # off: nothing to inherit
         elif policy != self.policy:
             base = {k: base[k] for k in ("budget", "compression_ratio", "interval") if k in base}
-        elif any(k in overrides for k in ("allocation", "trigger")) and policy in POLICIES:
+        elif any(k in overrides for k in ("allocation", "trigger")):
             allocation = overrides.get("allocation", self.allocation)
             trigger = overrides.get("trigger", self.trigger)
-            kept = composition_params(policy, allocation if allocation in ALLOCATIONS else None,
-                                      trigger if trigger in TRIGGERS else None)
+            kept = composition_params(policy, allocation if _is_name_in(allocation, ALLOCATIONS) else None,
+                                      trigger if _is_name_in(trigger, TRIGGERS) else None)
             base = {k: v for k, v in base.items() if k in COMMON_FIELDS or k in kept}
         if "budget" in overrides:
             base.pop("compression_ratio", None)
@@ -215,6 +223,10 @@ class KVCompressConfig:
             raise _fail("interval", f"must be >= 1 token, got {self.interval}")
         if self.layer_groups is not None and self.layer_groups < 1:
             raise _fail("layer_groups", f"must be >= 1, got {self.layer_groups}")
+        if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
+            raise _fail("compression_ratio", f"must be in [0, 1), got {self.compression_ratio}")
+        if self.budget is not None and self.budget < 1:
+            raise _fail("budget", f"must be >= 1 token, got {self.budget}")
         if parts is None:
             if self.budget is not None or self.compression_ratio is not None:
                 raise _fail("policy", "a budget or compression_ratio needs a policy other than 'none'")
@@ -244,8 +256,6 @@ class KVCompressConfig:
                 f"policy {self.policy!r} needs exactly one of budget (tokens kept) "
                 "or compression_ratio (fraction removed, in [0, 1))",
             )
-        if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
-            raise _fail("compression_ratio", f"must be in [0, 1), got {self.compression_ratio}")
         if self.budget is not None and self.budget < scorer.min_budget():
             raise _fail(
                 "budget",
@@ -289,6 +299,15 @@ class KVCompressConfig:
         assert self.compression_ratio is not None
         removed = math.floor(prompt_len * self.compression_ratio)
         return max(prompt_len - removed, min_budget)
+
+
+def _is_name_in(value: Any, registry: Mapping[str, Any]) -> bool:
+    return isinstance(value, str) and value in registry
+
+
+def _field_name(key: Any) -> str:
+    """A key as the error names it: plain if it could be a field, quoted otherwise."""
+    return key if isinstance(key, str) and key.isidentifier() else repr(key)
 
 
 def _describe(allocation: str | None, trigger: str | None) -> str:

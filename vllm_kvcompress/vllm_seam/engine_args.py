@@ -89,6 +89,28 @@ def add_kv_compress_args(parser: argparse.ArgumentParser) -> None:
     for suffix, (field, type_, text) in options().items():
         group.add_argument(f"--kv-compress-{suffix}", dest=f"kv_compress_{field}", type=type_,
                            default=None, help=text)
+    _check_after_parsing(parser)
+
+
+def _check_after_parsing(parser: argparse.ArgumentParser) -> None:
+    """A bad kv_compress flag is an argument error: one line and exit 2, as
+    argparse reports vLLM's own (not a traceback from the engine's startup).
+
+    Wraps this parser instance's `parse_known_args`, which argparse also
+    calls for a subcommand's parser (`vllm serve`).
+    """
+    parse = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        namespace, rest = parse(args, namespace)
+        values = {k: v for k, v in vars(namespace).items() if k.startswith("kv_compress")}
+        try:
+            config_from_options(values)
+        except KVCompressConfigError as e:
+            parser.error(str(e))
+        return namespace, rest
+
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def config_from_options(values: dict[str, Any]) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -23,23 +24,50 @@ PREFIX = "vllm:kv_compress_"
 RATIO_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.875, 0.9375, 1.0)
 MIN_INTERVAL = 0.5  # seconds between snapshot writes while busy
 
+logger = logging.getLogger("vllm.kvcompress")
+
 
 class SnapshotWriter:
-    """Writes one process's counters to its file, throttled."""
+    """Writes one process's counters to its file, throttled.
+
+    Metrics never take the engine down: a write that fails (the folder was
+    removed under a long-running engine, say by a temp-folder cleaner) recreates
+    the folder and tries once more; if that fails too, this snapshot is dropped
+    with one warning (until a write succeeds again) and the next write retries.
+    """
 
     def __init__(self, name: str) -> None:
         folder = os.environ.get(ENV)
         self.path = Path(folder) / f"{name}-{os.getpid()}.json" if folder else None
         self.last = 0.0
+        self.failing = False  # warned about a failed write; reset by a successful one
 
     def write(self, data: dict, force: bool = False) -> None:
         now = time.monotonic()
         if self.path is None or (not force and now - self.last < MIN_INTERVAL):
             return
+        text = json.dumps(data)
+        try:
+            try:
+                self._write(self.path, text)
+            except OSError:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._write(self.path, text)
+        except OSError as e:
+            # The throttle clock stays put: the next write tries again.
+            if not self.failing:
+                logger.warning("kv_compress: could not write metrics snapshot %s (%s); /metrics may be stale "
+                               "until a later write succeeds", self.path, e)
+                self.failing = True
+            return
+        self.failing = False
         self.last = now
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(self.path)  # readers never see half a file
+
+    @staticmethod
+    def _write(path: Path, text: str) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)  # readers never see half a file
 
 
 class RatioHistogram:

@@ -56,6 +56,9 @@ class KVCompressScheduler(Scheduler):
                 )
         logger.info("kv_compress scheduler ready (pid %d): %s, block %d, %d KV cache group(s)",
                     os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size, len(groups))
+        # /metrics shows the pool from startup on, not only after the first
+        # compression or finish (idle now, so the write is forced).
+        self._write_snapshot()
 
     # ---------------------------------------------------------------- steps
 
