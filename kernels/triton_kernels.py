@@ -39,11 +39,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import (  # torch versions reused on the Triton path (cheap, not fused)
-    OP_NAMES,  # noqa: E402 (the shared operation list)
+from .reference import (
+    OP_NAMES,  # the shared operation list
     LogitsTransform,
     _parse_transform,
 )
+
+# Torch versions reused on the Triton path (a view and one gather, not fused);
+# re-exported: they are part of the operation list.
+from .reference import gather_dense as gather_dense  # noqa: E402
+from .reference import split_kv_cache as split_kv_cache  # noqa: E402
 
 __all__ = list(OP_NAMES)
 

@@ -14,7 +14,11 @@ from hypothesis import strategies as st
 
 from vllm_kvcompress.budgets import ALLOCATIONS
 from vllm_kvcompress.config import (
-    COMMON_FIELDS, KVCompressConfig, KVCompressConfigError, all_params, request_overrides,
+    COMMON_FIELDS,
+    KVCompressConfig,
+    KVCompressConfigError,
+    all_params,
+    request_overrides,
 )
 from vllm_kvcompress.registry import POLICIES
 from vllm_kvcompress.triggers import TRIGGERS
