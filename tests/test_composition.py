@@ -1,4 +1,4 @@
-"""Every scorer under every budget allocation and trigger, without an engine.
+"""Every scorer under every budget allocation, trigger and selection modifier, without an engine.
 
 For each composition the configuration allows, a request is driven through
 the planner (when to compress) and `RequestCompression` (which tokens) over a
@@ -23,6 +23,7 @@ from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.plan import resolve_plan
 from vllm_kvcompress.planner import RequestState, layer_groups
 from vllm_kvcompress.scorers import SCORERS, hash_uniform
+from vllm_kvcompress.selection import SELECTIONS
 from vllm_kvcompress.triggers import TRIGGERS
 
 NUM_LAYERS, HKV, GROUP = 2, 2, 2
@@ -39,38 +40,47 @@ SCORER_PARAMS = {
     "random": {"window": 4, "seed": 3},
 }
 ATTENTION_SCORERS = {"snapkv", "h2o", "tova", "keyformer"}
+SPAN, CHUNK_LENGTH = 5, 6
 
 
-def config_for(scorer: str, allocation: str, trigger: str) -> dict:
-    data = {"policy": scorer, "allocation": allocation, "trigger": trigger, "budget": BUDGET,
-            "interval": INTERVAL, "layer_groups": NUM_LAYERS, **SCORER_PARAMS[scorer]}
+def config_for(scorer: str, allocation: str, trigger: str, selection: str) -> dict:
+    data = {"policy": scorer, "allocation": allocation, "trigger": trigger, "selection": selection,
+            "budget": BUDGET, "interval": INTERVAL, "layer_groups": NUM_LAYERS, **SCORER_PARAMS[scorer]}
     if trigger == "streamed":
         data["prompt_chunk"] = CHUNK
+    if selection == "span":
+        data["span"] = SPAN
+    if selection == "chunk":
+        data["chunk_length"] = CHUNK_LENGTH
     return data
 
 
-def refusal(scorer: str, allocation: str, trigger: str) -> str | None:
+def refusal(scorer: str, allocation: str, trigger: str, selection: str) -> str | None:
     """The field a combination that cannot be served is refused on (None: served)."""
     if allocation in ("adaptive", "per_head") and scorer not in ATTENTION_SCORERS:
         return "allocation"  # budgets from attention, and the scorer observes none
+    if allocation == "per_head" and scorer == "tova":
+        return "allocation"  # TOVA scores every head alike: one selection per layer
     if allocation == "per_head" and trigger != "once":
         return "trigger"  # per-head masks are derived once
+    if allocation == "per_head" and selection == "chunk":
+        return "selection"  # chunk ranks are per head; per-head budgets compare heads
     if trigger == "streamed" and scorer in ATTENTION_SCORERS:
         return "trigger"  # a later prompt query could change the choice
     return None
 
 
-COMBINATIONS = list(itertools.product(sorted(SCORERS), sorted(ALLOCATIONS), sorted(TRIGGERS)))
+COMBINATIONS = list(itertools.product(sorted(SCORERS), sorted(ALLOCATIONS), sorted(TRIGGERS), sorted(SELECTIONS)))
 
 
-@pytest.mark.parametrize("scorer, allocation, trigger", COMBINATIONS)
-def test_configuration_serves_exactly_the_sound_combinations(scorer, allocation, trigger):
-    field = refusal(scorer, allocation, trigger)
+@pytest.mark.parametrize("scorer, allocation, trigger, selection", COMBINATIONS)
+def test_configuration_serves_exactly_the_sound_combinations(scorer, allocation, trigger, selection):
+    field = refusal(scorer, allocation, trigger, selection)
     if field is None:
-        KVCompressConfig.from_dict(config_for(scorer, allocation, trigger))
+        KVCompressConfig.from_dict(config_for(scorer, allocation, trigger, selection))
     else:
         with pytest.raises(KVCompressConfigError, match=f"kv_compress.{field}: "):
-            KVCompressConfig.from_dict(config_for(scorer, allocation, trigger))
+            KVCompressConfig.from_dict(config_for(scorer, allocation, trigger, selection))
 
 
 # ---------------------------------------------------------------- the plain re-implementation
@@ -94,9 +104,9 @@ def naive_scores(scorer: str, kv_head: int, layer: int, positions: list[int], at
     if scorer == "random":  # the hash itself is the definition (tested in test_core)
         return hash_uniform(params["seed"], torch.tensor(layer), torch.tensor(num_compressions),
                             torch.tensor(kv_head), torch.tensor(positions)).tolist()
-    rows = [[attention.get((q, p), 0.0) for p in positions]
-            for q in range(kv_head * GROUP, (kv_head + 1) * GROUP)]
-    scores = group_mean(rows)
+    # TOVA: all query heads of the layer (one selection); the others: the KV head's group.
+    heads = range(HQ) if scorer == "tova" else range(kv_head * GROUP, (kv_head + 1) * GROUP)
+    scores = group_mean([[attention.get((q, p), 0.0) for p in positions] for q in heads])
     if scorer == "snapkv":  # average pooling (zero padding) over the prefix before the window
         k, prefix = params["kernel_size"], len(positions) - params["window"]
         pooled = [sum(scores[j] for j in range(i - k // 2, i + k // 2 + 1) if 0 <= j < prefix) / k
@@ -114,11 +124,24 @@ def naive_protected(scorer: str, budget: int) -> tuple[int, int]:
     return 0, params.get("window", 0)
 
 
-def naive_ranked(scorer, kv_head, layer, positions, attention, num_compressions, budget) -> list[float]:
+def naive_ranked(scorer, selection, kv_head, layer, positions, attention, num_compressions, budget) -> list[float]:
+    """What the top-k ranks, for `positions` in logical order: protected tokens first (inf)."""
     scores = naive_scores(scorer, kv_head, layer, positions, attention, num_compressions)
     sinks, recent = naive_protected(scorer, budget)
     newest = sorted(positions)[-recent:] if recent else []
-    return [math.inf if p < sinks or p in newest else s for p, s in zip(positions, scores)]
+    protected = [p < sinks or p in newest for p in positions]
+    if selection == "span":  # the largest unprotected score among a token and the SPAN - 1 before it
+        sources = [-math.inf if prot else s for s, prot in zip(scores, protected)]
+        scores = [max(sources[max(0, i - SPAN + 1): i + 1]) for i in range(len(scores))]
+    if selection == "chunk":  # whole chunks by summed score, earlier chunks first on ties
+        free = [i for i, prot in enumerate(protected) if not prot]
+        chunks = [free[c: c + CHUNK_LENGTH] for c in range(0, len(free), CHUNK_LENGTH)]
+        ranked_chunks = sorted(range(len(chunks)), key=lambda c: -sum(scores[i] for i in chunks[c]))
+        order = [i for c in ranked_chunks for i in chunks[c]]
+        scores = [0.0] * len(scores)
+        for rank, i in enumerate(order):
+            scores[i] = float(len(order) - rank)
+    return [math.inf if prot else s for s, prot in zip(scores, protected)]
 
 
 def assert_top(got: set[int], ranked: list[float], positions: list[int], count: int, where) -> None:
@@ -205,10 +228,10 @@ def expected_schedule(trigger: str, budgets: list[int]) -> list[int]:
     return at
 
 
-@pytest.mark.parametrize("scorer, allocation, trigger",
+@pytest.mark.parametrize("scorer, allocation, trigger, selection",
                          [c for c in COMBINATIONS if refusal(*c) is None])
-def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger):
-    config = KVCompressConfig.from_dict(config_for(scorer, allocation, trigger))
+def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger, selection):
+    config = KVCompressConfig.from_dict(config_for(scorer, allocation, trigger, selection))
     plan = resolve_plan(config, PROMPT, NUM_LAYERS, BLOCK)
     state = RequestState.create(plan, layer_groups(NUM_LAYERS, NUM_LAYERS))
     rc = RequestCompression(plan, NUM_LAYERS, HKV, HQ)
@@ -255,8 +278,8 @@ def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger
             got = rc.positions(layer).gather(1, keep)
             dead = rc._dead_after.get(layer)
             if allocation == "per_head":
-                ranked_heads = [naive_ranked(scorer, g, layer, sorted(cached[layer][g]), attention[layer],
-                                             rc.num_compressions, BUDGET) for g in range(HKV)]
+                ranked_heads = [naive_ranked(scorer, selection, g, layer, sorted(cached[layer][g]),
+                                             attention[layer], rc.num_compressions, BUDGET) for g in range(HKV)]
                 per_head_counts = naive_head_counts(ranked_heads)
             for h in range(HKV):
                 positions = sorted(cached[layer][h])
@@ -264,8 +287,8 @@ def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger
                     live = got[h] if dead is None else got[h][~dead[h]]
                     assert_top(set(live.tolist()), ranked_heads[h], positions, per_head_counts[h], (layer, h))
                 else:
-                    ranked = naive_ranked(scorer, h, layer, positions, attention[layer], rc.num_compressions,
-                                          targets[layer])
+                    ranked = naive_ranked(scorer, selection, h, layer, positions, attention[layer],
+                                          rc.num_compressions, targets[layer])
                     assert_top(set(got[h].tolist()), ranked, positions, targets[layer], (layer, h, logical))
                 cached[layer][h] = set(got[h].tolist())
             rc.compact(layer, keep)

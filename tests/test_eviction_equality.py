@@ -8,6 +8,7 @@ different lengths share batches and join/leave at different steps.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import engine_kwargs, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
@@ -56,6 +57,25 @@ def test_policy_matches_reference(engine, reference, policy):
         want = reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"]
         assert tokens == want, f"{policy} {config} prompt {len(prompt)}"
     assert after["tokens_evicted"] > before["tokens_evicted"]
+
+
+@pytest.mark.parametrize("modifier", [{"selection": "span", "span": 8}, {"selection": "chunk", "chunk_length": 10}])
+def test_selection_modifiers_match_reference(engine, reference, modifier):
+    """Span carry and chunk selection around different scorers, in one batch."""
+    prompts = random_prompts((230, 190, 260, 170), seed=37)
+    configs = [
+        {"policy": "snapkv", "budget": 64, "window": 8, **modifier},
+        {"policy": "h2o", "budget": 48, **modifier},
+        {"policy": "tova", "compression_ratio": 0.5, **modifier},
+        {"policy": "snapkv", "budget": 64, "window": 8},  # the same without the modifier
+    ]
+    got = engine.generate(prompts[:3] + prompts[:1], NEW_TOKENS, configs)
+    for prompt, config, tokens in zip(prompts[:3] + prompts[:1], configs, got):
+        want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=32)["tokens"]
+        assert tokens == want, f"{config} prompt {len(prompt)}"
+    kept = [reference.generate(prompts[0], 2, KVCompressConfig.from_dict(c), block_size=32)["kept_positions"][0]
+            for c in (configs[0], configs[3])]
+    assert not torch.equal(kept[0], kept[1]), "the modifier changes what is kept"
 
 
 @pytest.mark.parametrize("policy", ["streamingllm", "window"])

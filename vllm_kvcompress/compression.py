@@ -164,14 +164,14 @@ class RequestCompression:
             return keep_idx
         scores, positions = self._scores(layer)
         sinks, recent = self.scorer.protected(keep)
-        return select_keep(scores, positions, keep, sinks, recent)
+        return select_keep(scores, positions, keep, sinks, recent, self.plan.selection)
 
     def _ranked_counts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head budgets: ranked scores [Hkv, T] and the tokens each head keeps."""
         scores, positions = self._scores(layer)
         budget = self.plan.budget
         sinks, recent = self.scorer.protected(budget)
-        ranked = rank_scores(scores, positions, sinks, recent)
+        ranked = rank_scores(scores, positions, sinks, recent, self.plan.selection)
         return ranked, self.plan.allocation.head_counts(ranked, budget)
 
     def _scores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

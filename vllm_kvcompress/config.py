@@ -23,15 +23,18 @@ from typing import Any
 from .budgets import ALLOCATIONS
 from .registry import POLICIES, Components, component_classes
 from .scorers import SCORERS, Observe
+from .selection import SELECTIONS
 from .triggers import TRIGGERS
 
 CONFIG_KEY = "kv_compress"  # key inside vLLM's additional_config / extra_args
-COMMON_FIELDS = ("policy", "allocation", "trigger", "budget", "compression_ratio", "interval", "layer_groups")
+COMMON_FIELDS = ("policy", "allocation", "trigger", "selection", "budget", "compression_ratio", "interval",
+                 "layer_groups")
+COMPONENT_FIELDS = ("allocation", "trigger", "selection")  # replace the policy's own component
 ENGINE_FIELDS = ("layer_groups",)  # fixed at startup: a request cannot change them
 # Common fields other than `policy`, with their types (None when not given).
-_OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "budget": int, "compression_ratio": float,
-                                     "interval": int, "layer_groups": int}
-_CHOICES: dict[str, Mapping[str, type]] = {"allocation": ALLOCATIONS, "trigger": TRIGGERS}
+_OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "selection": str, "budget": int,
+                                     "compression_ratio": float, "interval": int, "layer_groups": int}
+_CHOICES: dict[str, Mapping[str, type]] = {"allocation": ALLOCATIONS, "trigger": TRIGGERS, "selection": SELECTIONS}
 
 
 # Short names accepted for fields (the CLI flag is --kv-compress-ratio).
@@ -46,16 +49,17 @@ def _fail(name: str, problem: str) -> KVCompressConfigError:
     return KVCompressConfigError(f"{CONFIG_KEY}.{name}: {problem}")
 
 
-def composition_params(policy: str, allocation: str | None = None,
-                       trigger: str | None = None) -> dict[str, dataclasses.Field]:
-    """The parameters (dataclass fields) of a policy's scorer, allocation and trigger."""
-    return {f.name: f for cls in component_classes(policy, allocation, trigger) for f in dataclasses.fields(cls)}
+def composition_params(policy: str, allocation: str | None = None, trigger: str | None = None,
+                       selection: str | None = None) -> dict[str, dataclasses.Field]:
+    """The parameters (dataclass fields) of a policy's scorer, allocation, trigger and selection."""
+    classes = component_classes(policy, allocation, trigger, selection)
+    return {f.name: f for cls in classes for f in dataclasses.fields(cls)}
 
 
 def all_params() -> dict[str, dict[str, Any]]:
     """Every parameter name -> {component name: default}, for CLI flags."""
     out: dict[str, dict[str, Any]] = {}
-    for registry in (SCORERS, ALLOCATIONS, TRIGGERS):
+    for registry in (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS):
         for name in sorted(registry):
             for f in dataclasses.fields(registry[name]):
                 out.setdefault(f.name, {})[name] = f.default
@@ -64,7 +68,7 @@ def all_params() -> dict[str, dict[str, Any]]:
 
 def param_field(name: str) -> dataclasses.Field:
     """The dataclass field behind a parameter name (the first component that has it)."""
-    for registry in (SCORERS, ALLOCATIONS, TRIGGERS):
+    for registry in (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS):
         for cls in registry.values():
             fields = {f.name: f for f in dataclasses.fields(cls)}
             if name in fields:
@@ -93,9 +97,11 @@ class KVCompressConfig:
     """How a request's KV cache is compressed."""
 
     policy: str = "none"
-    # Overrides of the policy's budget allocation and trigger (None: the policy's own).
+    # Overrides of the policy's budget allocation, trigger and selection
+    # modifier (None: the policy's own).
     allocation: str | None = None
     trigger: str | None = None
+    selection: str | None = None
     # Tokens kept per (layer, KV head) on average, protected ones included.
     budget: int | None = None
     # kvpress convention: the fraction removed (0.75 keeps 25% of the prompt).
@@ -134,16 +140,16 @@ class KVCompressConfig:
             else:
                 common["trigger"] = "streamed"
         if policy == "none":
-            for name in ("allocation", "trigger"):
+            for name in COMPONENT_FIELDS:
                 if common[name] is not None:
                     raise _fail(name, "needs a policy other than 'none'")
-        params = composition_params(policy, common["allocation"], common["trigger"])
+        params = composition_params(policy, *(common[name] for name in COMPONENT_FIELDS))
         unknown = sorted((k for k in data if k not in params), key=str)
         if unknown:
             raise _fail(
                 _field_name(unknown[0]),
                 f"unknown field for policy {policy!r}"
-                f"{_describe(common['allocation'], common['trigger'])}; valid fields: "
+                f"{_describe({name: common[name] for name in COMPONENT_FIELDS})}; valid fields: "
                 f"{list(COMMON_FIELDS) + sorted(params)}",
             )
         typed = {k: _check_type(k, v, params[k].type) for k, v in data.items() if v is not None}
@@ -195,11 +201,12 @@ class KVCompressConfig:
             base = {}  # off: nothing to inherit
         elif policy != self.policy:
             base = {k: base[k] for k in ("budget", "compression_ratio", "interval") if k in base}
-        elif any(k in overrides for k in ("allocation", "trigger")):
-            allocation = overrides.get("allocation", self.allocation)
-            trigger = overrides.get("trigger", self.trigger)
-            kept = composition_params(policy, allocation if _is_name_in(allocation, ALLOCATIONS) else None,
-                                      trigger if _is_name_in(trigger, TRIGGERS) else None)
+        elif any(k in overrides for k in COMPONENT_FIELDS):
+            names = []
+            for name in COMPONENT_FIELDS:
+                value = overrides.get(name, getattr(self, name))
+                names.append(value if _is_name_in(value, _CHOICES[name]) else None)
+            kept = composition_params(policy, *names)
             base = {k: v for k, v in base.items() if k in COMMON_FIELDS or k in kept}
         if "budget" in overrides:
             base.pop("compression_ratio", None)
@@ -231,7 +238,7 @@ class KVCompressConfig:
             if self.budget is not None or self.compression_ratio is not None:
                 raise _fail("policy", "a budget or compression_ratio needs a policy other than 'none'")
             return
-        scorer, allocation, trigger = parts.scorer, parts.allocation, parts.trigger
+        scorer, allocation, trigger, selection = parts.scorer, parts.allocation, parts.trigger, parts.selection
         if allocation.per_layer and self.num_layer_groups == 1:
             raise _fail(
                 "layer_groups",
@@ -243,9 +250,15 @@ class KVCompressConfig:
         if allocation.from_attention and scorer.observe is Observe.NOTHING:
             raise _fail("allocation", f"{allocation.name!r} shares the budget by observed attention; scorer "
                                       f"{scorer.name!r} observes none; valid with it: ['pyramid', 'uniform']")
+        if allocation.per_head and scorer.same_for_every_head:
+            raise _fail("allocation", f"'per_head' gives KV heads different budgets by their scores; scorer "
+                                      f"{scorer.name!r} scores every head of a layer alike (one selection per layer)")
         if allocation.per_head and trigger.rolling:
             raise _fail("trigger", f"allocation 'per_head' compresses once (per-head masks are not re-derived "
                                    f"while rolling); use trigger 'once', not {trigger.name!r}")
+        if allocation.per_head and not selection.comparable_across_heads:
+            raise _fail("selection", f"{selection.name!r} ranks tokens within each head, and allocation "
+                                     f"'per_head' compares scores across heads; valid with it: ['span', 'top']")
         if trigger.chunk_size() and scorer.observe is not Observe.NOTHING:
             raise _fail("trigger", f"'streamed' evicts mid-prompt, which only scorers that observe no attention "
                                    f"can do (streamingllm, window, random); scorer {scorer.name!r} observes "
@@ -276,7 +289,7 @@ class KVCompressConfig:
 
     def components(self) -> Components | None:
         """The scorer, allocation and trigger with their parameters (None: compression off)."""
-        classes = component_classes(self.policy, self.allocation, self.trigger)
+        classes = component_classes(self.policy, self.allocation, self.trigger, self.selection)
         if not classes:
             return None
         params = {**POLICIES[self.policy].defaults, **self.params}
@@ -310,8 +323,8 @@ def _field_name(key: Any) -> str:
     return key if isinstance(key, str) and key.isidentifier() else repr(key)
 
 
-def _describe(allocation: str | None, trigger: str | None) -> str:
-    given = [f"{k} {v!r}" for k, v in (("allocation", allocation), ("trigger", trigger)) if v is not None]
+def _describe(components: Mapping[str, str | None]) -> str:
+    given = [f"{k} {v!r}" for k, v in components.items() if v is not None]
     return f" with {', '.join(given)}" if given else ""
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from .budgets import Allocation
 from .config import KVCompressConfig
 from .scorers import Scorer
+from .selection import Selection
 from .triggers import Trigger
 
 PLAN_ATTR = "kv_compress_plan"  # the StepPlan's attribute on vLLM's SchedulerOutput
@@ -28,6 +29,7 @@ class CompressionPlan:
     scorer: Scorer
     allocation: Allocation
     trigger: Trigger
+    selection: Selection
     prompt_len: int  # tokens prefilled before decoding (a resumed request's outputs included)
     budget: int  # mean tokens kept per layer and KV head
     # Per layer, known at admission; for allocations from attention these
@@ -53,7 +55,8 @@ def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, blo
     else:
         layer_budgets = parts.allocation.layer_budgets(budget, num_layers, prompt_len, min_budget)
     return CompressionPlan(
-        scorer=parts.scorer, allocation=parts.allocation, trigger=parts.trigger, prompt_len=prompt_len,
+        scorer=parts.scorer, allocation=parts.allocation, trigger=parts.trigger, selection=parts.selection,
+        prompt_len=prompt_len,
         budget=budget, layer_budgets=tuple(layer_budgets), interval=config.interval or block_size,
     )
 

@@ -1,8 +1,10 @@
-"""Policy names -> compositions of a scorer, a budget allocation and a trigger.
+"""Policy names -> compositions of a scorer, a budget allocation, a trigger and
+a selection modifier.
 
-Each name is what the papers call a method; any entry's allocation and trigger
-can be swapped per engine or request (`allocation`, `trigger` fields), e.g.
-h2o with per-head budgets, tova with a pyramid.
+Each name is what the papers call a method; any entry's allocation, trigger
+and selection can be swapped per engine or request (`allocation`, `trigger`,
+`selection` fields), e.g. h2o with per-head budgets, tova with a pyramid,
+snapkv with span carry.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from .budgets import ALLOCATIONS, Allocation
 from .scorers import SCORERS, Scorer
+from .selection import SELECTIONS, Selection
 from .triggers import TRIGGERS, Trigger
 
 
@@ -23,6 +26,7 @@ class Composition:
     scorer: str | None  # None: compression off
     allocation: str = "uniform"
     trigger: str = "once"
+    selection: str = "top"
     defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -48,12 +52,14 @@ class Components:
     scorer: Scorer
     allocation: Allocation
     trigger: Trigger
+    selection: Selection
 
 
-def component_classes(policy: str, allocation: str | None, trigger: str | None) -> list[type]:
-    """The scorer, allocation and trigger classes of a policy with these overrides."""
+def component_classes(policy: str, allocation: str | None, trigger: str | None,
+                      selection: str | None = None) -> list[type]:
+    """The scorer, allocation, trigger and selection classes of a policy with these overrides."""
     composition = POLICIES[policy]
     if composition.scorer is None:
         return []
     return [SCORERS[composition.scorer], ALLOCATIONS[allocation or composition.allocation],
-            TRIGGERS[trigger or composition.trigger]]
+            TRIGGERS[trigger or composition.trigger], SELECTIONS[selection or composition.selection]]

@@ -1,4 +1,14 @@
-"""Which cached tokens survive: top scores, protected tokens, hole-filling order.
+"""Which cached tokens survive: selection modifiers, protected tokens, top scores,
+hole-filling order.
+
+A selection modifier reshapes a scorer's scores before the top-k, and
+combines with any scorer (methods.md, "Selection modifiers"):
+
+  top    plain top-k of the scores
+  span   span carry: each token's score becomes the largest among itself and
+         the `span - 1` tokens before it, so a kept token keeps what follows it
+  chunk  ChunkKV: consecutive chunks of `chunk_length` tokens ranked by their
+         summed scores, kept whole in that order (the last one truncated)
 
 Shared by every scorer and allocation; the worker and the reference decoder
 both select through these functions.
@@ -6,32 +16,120 @@ both select through these functions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import torch
+import torch.nn.functional as F
 
 
-def rank_scores(scores: torch.Tensor, positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
-    """Scores with protected tokens (position < sinks, or among the `recent` newest) at +inf."""
+@dataclass(frozen=True)
+class Selection:
+    name: ClassVar[str]
+    # Adjusted scores keep the scorer's scale, so heads can be compared
+    # (per-head budgets share one top-k across heads).
+    comparable_across_heads: ClassVar[bool] = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for impossible parameter values."""
+
+    def adjust(self, scores: torch.Tensor, positions: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+        """[Hkv, T] float32 scores -> the scores the top-k ranks (protected tokens are kept anyway)."""
+        return scores
+
+
+class TopScores(Selection):  # no parameters: the base's dataclass serves
+    name = "top"
+
+
+def _chronological(x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [H, T] in logical order per head (the cache's physical order is not), and that order."""
+    order = positions.argsort(dim=-1)
+    return x.gather(1, order), order
+
+
+@dataclass(frozen=True)
+class SpanCarry(Selection):
+    name = "span"
+
+    span: int = field(default=8, metadata={"help": "span: a token's score is the largest of itself and the "
+                                                   "span - 1 tokens before it"})
+
+    def validate(self) -> None:
+        if self.span < 1:
+            raise ValueError(f"span must be >= 1, got {self.span}")
+
+    def adjust(self, scores, positions, protected):
+        chrono, order = _chronological(scores.masked_fill(protected, float("-inf")), positions)
+        # Running max over the span ending at each token: -inf padding on the left.
+        carried = F.max_pool1d(F.pad(chrono.unsqueeze(0), (self.span - 1, 0), value=float("-inf")),
+                               self.span, stride=1).squeeze(0)
+        return scores.scatter(1, order, carried)
+
+
+@dataclass(frozen=True)
+class ChunkSelection(Selection):
+    name = "chunk"
+    comparable_across_heads = False  # the adjusted scores are ranks within a head
+
+    chunk_length: int = field(default=10, metadata={"help": "chunk: tokens per chunk, kept or evicted whole"})
+
+    def validate(self) -> None:
+        if self.chunk_length < 1:
+            raise ValueError(f"chunk_length must be >= 1, got {self.chunk_length}")
+
+    def adjust(self, scores, positions, protected):
+        out = torch.empty_like(scores)
+        for h in range(scores.shape[0]):
+            # The ranked tokens (unprotected) in logical order, cut into chunks.
+            idx = positions[h].argsort()
+            idx = idx[~protected[h, idx]]
+            chunk = torch.arange(len(idx)) // self.chunk_length
+            sums = torch.zeros(int(chunk[-1]) + 1 if len(idx) else 0).index_add_(0, chunk, scores[h, idx])
+            # Chunks by summed score (ties: earlier first), tokens of a chunk
+            # in order: the k best ranks are whole chunks and the start of one more.
+            ranked = idx[torch.sort(-sums[chunk], stable=True).indices]
+            out[h] = float("-inf")
+            out[h, ranked] = torch.arange(len(ranked), 0, -1, dtype=out.dtype)
+        return out
+
+
+SELECTIONS: dict[str, type[Selection]] = {cls.name: cls for cls in (TopScores, SpanCarry, ChunkSelection)}
+TOP = TopScores()
+
+
+def protected_mask(positions: torch.Tensor, sinks: int, recent: int) -> torch.Tensor:
+    """[H, T] True for protected tokens: position < sinks, or among the `recent` newest."""
     protected = positions < sinks
     if recent > 0:
         # Newest by logical position: after a compaction the physical order
         # is no longer chronological.
-        protected.scatter_(1, positions.topk(min(recent, scores.shape[-1]), dim=-1).indices, True)
-    return scores.to(torch.float32).masked_fill(protected, float("inf"))
+        protected.scatter_(1, positions.topk(min(recent, positions.shape[-1]), dim=-1).indices, True)
+    return protected
+
+
+def rank_scores(scores: torch.Tensor, positions: torch.Tensor, sinks: int, recent: int,
+                selection: Selection = TOP) -> torch.Tensor:
+    """The scores the top-k ranks: adjusted by the selection, protected tokens at +inf."""
+    protected = protected_mask(positions, sinks, recent)
+    adjusted = selection.adjust(scores.to(torch.float32), positions, protected)
+    return adjusted.masked_fill(protected, float("inf"))
 
 
 def select_keep(
-    scores: torch.Tensor, positions: torch.Tensor, keep: int, sinks: int, recent: int
+    scores: torch.Tensor, positions: torch.Tensor, keep: int, sinks: int, recent: int,
+    selection: Selection = TOP,
 ) -> torch.Tensor:
     """Indices [Hkv, keep] of the cached tokens each head keeps, in hole-filling order.
 
     scores, positions: [Hkv, T]. Protected tokens (logical position < sinks,
     or among the `recent` newest) are always kept; the rest of the budget goes
-    to the highest scores. See `hole_filling_order` for the order.
+    to the highest (selection-adjusted) scores. See `hole_filling_order` for the order.
     """
     num_tokens = scores.shape[-1]
     if keep >= num_tokens:
         return torch.arange(num_tokens).expand(scores.shape[0], -1).clone()
-    ranked = rank_scores(scores, positions, sinks, recent)
+    ranked = rank_scores(scores, positions, sinks, recent, selection)
     return hole_filling_order(torch.topk(ranked, keep, dim=-1, sorted=False).indices)
 
 

@@ -61,6 +61,8 @@ class Scorer:
     same_in_every_layer: ClassVar[bool] = False
     # Observed logits get noise before the softmax (`logits_noise`).
     noisy: ClassVar[bool] = False
+    # One score per token for every KV head of a layer (they keep the same tokens).
+    same_for_every_head: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""

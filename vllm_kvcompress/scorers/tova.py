@@ -14,10 +14,17 @@ from .base import KeepsRecent, Observation, Observe
 class TOVA(KeepsRecent):
     name = "tova"
     observe = Observe.LAST
+    same_for_every_head = True
 
     def score(self, obs: Observation) -> torch.Tensor:
-        # The newest query's attention averaged over each KV head's own query
-        # group, so each KV head keeps its own tokens. (methods.md averages over
-        # all query heads, one selection per layer: not what this does yet.)
+        # methods.md: the newest query's attention averaged over all query
+        # heads of the layer, one score per token shared by every KV head (so
+        # they keep the same tokens, as in the paper and kvpress's TOVAPress).
         assert obs.attention is not None
-        return reduce_gqa(obs.attention, obs.attention.shape[0] // obs.num_kv_heads, "mean")
+        group = obs.attention.shape[0] // obs.num_kv_heads
+        if not bool((obs.positions == obs.positions[:1]).all()):
+            # Heads hold different tokens (per-head budgets compacted them
+            # apart): slots are not comparable across heads; each KV head
+            # averages its own query group.
+            return reduce_gqa(obs.attention, group, "mean")
+        return obs.attention.mean(dim=0, keepdim=True).expand(obs.num_kv_heads, -1).clone()

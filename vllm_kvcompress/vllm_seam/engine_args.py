@@ -24,6 +24,7 @@ from ..config import (
 )
 from ..planner import layer_groups
 from ..registry import POLICIES
+from ..selection import SELECTIONS
 from ..triggers import TRIGGERS
 from . import metrics
 
@@ -36,6 +37,8 @@ GROUP = "KVCompress"
 _COMMON_OPTIONS = {
     "allocation": ("allocation", str, f"how the budget is spread over layers and KV heads, one of "
                    f"{sorted(ALLOCATIONS)} (default: the policy's own; pyramid and adaptive need layer groups)"),
+    "selection": ("selection", str, f"how scores become the kept tokens, one of {sorted(SELECTIONS)}: top-k, "
+                  f"span carry (keep what follows a kept token) or whole chunks (default: top)"),
     "trigger": ("trigger", str, f"when a request compresses, one of {sorted(TRIGGERS)} (default: the "
                 f"policy's own; --kv-compress-prompt-chunk N alone selects streamed)"),
     "budget": ("budget", int, "tokens kept per (layer, KV head), protected tokens included"),
