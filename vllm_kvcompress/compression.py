@@ -15,12 +15,19 @@ import torch
 from .plan import CompressionPlan
 from .scorers import Observation, Observe
 from .selection import rank_scores, select_keep, select_keep_per_head
+from .sharding import ONE_DEVICE, HeadShard
 
 
 class RequestCompression:
-    def __init__(self, plan: CompressionPlan, num_layers: int, num_kv_heads: int, num_q_heads: int) -> None:
+    """One request's compression state on one worker: `num_kv_heads` and
+    `num_q_heads` are the heads this worker holds (`shard`)."""
+
+    def __init__(self, plan: CompressionPlan, num_layers: int, num_kv_heads: int, num_q_heads: int,
+                 shard: HeadShard = ONE_DEVICE) -> None:
         self.plan = plan
         self.scorer = plan.scorer
+        self.shard = shard
+        self.num_q_heads = num_q_heads
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.group = num_q_heads // num_kv_heads
@@ -92,7 +99,8 @@ class RequestCompression:
 
     def logits_noise(self, layer: int, q_positions: torch.Tensor):
         """The scorer's noise for these observed queries' logits (None: plain softmax)."""
-        return self.scorer.logits_noise(layer, q_positions.cpu(), self.key_positions(layer), self.num_compressions)
+        return self.scorer.logits_noise(layer, q_positions.cpu(), self.key_positions(layer), self.num_compressions,
+                                        self.shard.first(self.num_q_heads))
 
     def observe(self, layer: int, logits: torch.Tensor, q_positions: torch.Tensor) -> None:
         """Accumulate the attention of observed queries from their dense logits.
@@ -130,8 +138,10 @@ class RequestCompression:
         With per-head budgets a layer holds as many slots as its fullest head keeps.
         """
         if self.plan.allocation.per_head:
-            return tuple(int(self._ranked_counts(layer)[1].max()) for layer in range(self.num_layers))
-        attention = [a if a is not None else torch.zeros(0) for a in self.attention]
+            return tuple(int(self._ranked_counts(layer)[2]) for layer in range(self.num_layers))
+        # Every rank's query heads: all ranks derive the same budgets.
+        attention = [self.shard.all_heads(a if a is not None else torch.zeros(self.num_q_heads, 0))
+                     for a in self.attention]
         return tuple(self.plan.allocation.attention_budgets(attention, self.plan.budget, self.scorer.min_budget()))
 
     def dead_slots(self, layer: int, num_slots: int) -> torch.Tensor | None:
@@ -158,7 +168,7 @@ class RequestCompression:
 
     def _select(self, layer: int, keep: int) -> torch.Tensor:
         if self.plan.allocation.per_head:
-            ranked, counts = self._ranked_counts(layer)
+            ranked, counts, _ = self._ranked_counts(layer)
             keep_idx, dead = select_keep_per_head(ranked, counts, keep)
             self._dead_after[layer] = dead if dead.any() else None
             return keep_idx
@@ -166,13 +176,16 @@ class RequestCompression:
         sinks, recent = self.scorer.protected(keep)
         return select_keep(scores, positions, keep, sinks, recent, self.plan.selection)
 
-    def _ranked_counts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head budgets: ranked scores [Hkv, T] and the tokens each head keeps."""
+    def _ranked_counts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Per-head budgets: this worker's ranked scores [Hkv, T], the tokens
+        each of its heads keeps, and the layer's fullest head over all ranks."""
         scores, positions = self._scores(layer)
         budget = self.plan.budget
         sinks, recent = self.scorer.protected(budget)
         ranked = rank_scores(scores, positions, sinks, recent, self.plan.selection)
-        return ranked, self.plan.allocation.head_counts(ranked, budget)
+        # One top-k over the layer's heads: the other ranks' heads take part.
+        counts = self.plan.allocation.head_counts(self.shard.all_heads(ranked), budget)
+        return ranked, self.shard.mine(counts, self.num_kv_heads), int(counts.max())
 
     def _scores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self.positions(layer)
@@ -185,6 +198,7 @@ class RequestCompression:
             num_kv_heads=self.num_kv_heads,
             layer=layer,
             num_compressions=self.num_compressions,
+            shard=self.shard,
         )
         return self.scorer.score(obs), positions
 

@@ -17,6 +17,8 @@ from typing import ClassVar
 
 import torch
 
+from ..sharding import ONE_DEVICE, HeadShard
+
 
 class Observe(enum.Enum):
     """Which queries' attention a scorer accumulates while the request runs."""
@@ -36,10 +38,17 @@ class Observation:
     # [num_kv_heads, T] logical (RoPE) positions of the cached tokens, in
     # physical order (heads may have kept different tokens).
     positions: torch.Tensor
-    num_kv_heads: int
+    num_kv_heads: int  # this worker's
     layer: int
     # Compressions this request already had (Keyformer's temperature schedule).
     num_compressions: int
+    # This worker's heads among the layer's (tensor parallelism).
+    shard: HeadShard = ONE_DEVICE
+
+    @property
+    def first_kv_head(self) -> int:
+        """Global index of this worker's first KV head (seeded scores hash it)."""
+        return self.shard.first(self.num_kv_heads)
 
 
 @dataclass(frozen=True)
@@ -80,11 +89,12 @@ class Scorer:
         return 0
 
     def logits_noise(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                     num_compressions: int) -> LogitsNoise | None:
+                     num_compressions: int, first_head: int = 0) -> LogitsNoise | None:
         """Noise for the observed logits (None: a plain softmax).
 
         q_pos: [n] logical positions of the queries; k_pos: [Hq, T] logical
-        positions of the keys each query head sees.
+        positions of the keys each query head sees; first_head: the global
+        index of the first of those query heads.
         """
         return None
 

@@ -28,8 +28,8 @@ class Keyformer(KeepsRecent):
         if not 0 <= self.delta_tau < float("inf"):
             raise ValueError(f"delta_tau must be >= 0 and finite, got {self.delta_tau}")
 
-    def logits_noise(self, layer, q_pos, k_pos, num_compressions) -> LogitsNoise:
-        heads = torch.arange(k_pos.shape[0]).view(-1, 1, 1)
+    def logits_noise(self, layer, q_pos, k_pos, num_compressions, first_head=0) -> LogitsNoise:
+        heads = (torch.arange(k_pos.shape[0]) + first_head).view(-1, 1, 1)
         u = hash_uniform(self.seed, torch.tensor(layer), heads, q_pos.view(1, -1, 1), k_pos.unsqueeze(1))
         return LogitsNoise(noise=-torch.log(-torch.log(u)).to(torch.float32),
                            tau=self.tau_init + self.delta_tau * num_compressions)

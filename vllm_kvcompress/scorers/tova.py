@@ -27,4 +27,5 @@ class TOVA(KeepsRecent):
             # apart): slots are not comparable across heads; each KV head
             # averages its own query group.
             return reduce_gqa(obs.attention, group, "mean")
-        return obs.attention.mean(dim=0, keepdim=True).expand(obs.num_kv_heads, -1).clone()
+        every_head = obs.shard.all_heads(obs.attention)  # tensor parallel: the other ranks' heads too
+        return every_head.mean(dim=0, keepdim=True).expand(obs.num_kv_heads, -1).clone()

@@ -195,8 +195,8 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
         raise _refuse("speculative decoding (drafts are written at logical slots)")
     if args.kv_transfer_config:
         raise _refuse("a KV connector (it addresses blocks by logical position)")
-    if args.pipeline_parallel_size > 1 or args.data_parallel_size > 1 or args.tensor_parallel_size > 1:
-        raise _refuse("tensor/pipeline/data parallelism (single-worker only so far)")
+    if args.pipeline_parallel_size > 1 or args.data_parallel_size > 1:
+        raise _refuse("pipeline/data parallelism (tensor parallelism is supported)")
     if args.kv_cache_dtype not in (None, "auto"):
         raise _refuse(f"a quantised KV cache (kv_cache_dtype={args.kv_cache_dtype}; compaction copies raw values)")
     if args.scheduler_cls not in (None, SCHEDULER_CLS) and "vllm.v1.core.sched" not in str(args.scheduler_cls):
@@ -248,6 +248,10 @@ def check_model(vllm_config) -> None:
         raise _refuse("a hybrid or attention-free model (several KV cache groups)")
     if model.get_sliding_window() is not None:
         raise _refuse("a sliding-window model (its own eviction of old blocks)")
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if model.get_total_num_kv_heads() % tp:
+        raise _refuse(f"tensor_parallel_size {tp} over {model.get_total_num_kv_heads()} KV heads (ranks would "
+                      f"hold copies of a head: use a size that divides the KV heads)")
     if vllm_config.use_v2_model_runner:
         raise _refuse("Model Runner V2 (the hooks target the V1 runner; unset VLLM_USE_V2_MODEL_RUNNER)")
     config = KVCompressConfig.from_dict(vllm_config.additional_config[CONFIG_KEY])

@@ -27,6 +27,7 @@ from ..config import CONFIG_KEY, KVCompressConfig
 from ..kernels import get_ops
 from ..plan import BUDGETS_ATTR, PLAN_ATTR, Compaction, ReportedBudgets, StepPlan
 from ..planner import cdiv
+from ..sharding import ONE_DEVICE, HeadShard
 from .groups import group_of_layer, layer_index
 from .metrics import SnapshotWriter
 
@@ -240,6 +241,20 @@ def check_layout(layer, views, ops, write, backend: str) -> None:
         )
 
 
+def tensor_parallel_shard() -> HeadShard:
+    """This worker's heads among vLLM's tensor-parallel ranks (a slice of every layer's)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group,
+    )
+
+    size = get_tensor_model_parallel_world_size()
+    if size == 1:
+        return ONE_DEVICE
+    group = get_tp_group()
+    return HeadShard(rank=get_tensor_model_parallel_rank(), size=size,
+                     gather=lambda local: group.all_gather(local, dim=0))
+
+
 class WorkerCompression:
     """Compression state of one model runner."""
 
@@ -255,8 +270,9 @@ class WorkerCompression:
         self.layers = [attn_layers[n] for n in order]
         first = self.layers[0]
         self.num_layers = len(order)
-        self.num_kv_heads = first.num_kv_heads
+        self.num_kv_heads = first.num_kv_heads  # this rank's (tensor parallelism splits heads)
         self.num_q_heads = first.num_heads
+        self.shard = tensor_parallel_shard()
         self.scale = first.impl.scale
         groups = runner.kv_cache_config.kv_cache_groups
         self.group_of_layer = group_of_layer(groups)
@@ -286,9 +302,9 @@ class WorkerCompression:
         self.reported: list[ReportedBudgets] = []
         self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
         self.snapshot = SnapshotWriter("worker")
-        logger.info("kv_compress worker ready (pid %d): %s, %d layers, block %d, %s cache, %s ops",
-                    os.getpid(), config.to_dict(), self.num_layers, self.block_size, backend,
-                    self.ops.backend)
+        logger.info("kv_compress worker ready (pid %d, tensor-parallel rank %d of %d): %s, %d layers, block %d, "
+                    "%s cache, %s ops", os.getpid(), self.shard.rank, self.shard.size, config.to_dict(),
+                    self.num_layers, self.block_size, backend, self.ops.backend)
 
     # ------------------------------------------------------------ _update_states
 
@@ -304,7 +320,7 @@ class WorkerCompression:
             self.states.pop(started.request_id, None)
             if started.plan is not None:
                 self.states[started.request_id] = RequestCompression(
-                    started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads)
+                    started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard)
         if plan.compactions:
             start = time.perf_counter()
             self.compact(plan.compactions)

@@ -1,0 +1,115 @@
+"""Tensor parallelism: each rank scores, selects and compacts its own KV heads.
+
+A tiny Llama with 4 KV heads (2 per rank, so per-head budgets really differ
+within a rank) on TP=2 (one CPU core per rank, vLLM's multiprocessing
+executor) against TP=1: the same greedy tokens, the same tokens evicted and
+blocks freed per request, for every policy and composition, with per-layer KV
+cache groups; on TP=2 also the reference decoder's tokens. The TP=2 engine has
+a small cache, so requests are preempted (and one is aborted) on the way; the
+pool is whole afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import BLOCK_SIZE, Engine, engine_kwargs, random_prompts
+from vllm_kvcompress.config import KVCompressConfig
+
+NUM_LAYERS = 4
+NEW_TOKENS = 48
+CONFIGS = [
+    {"policy": "snapkv", "budget": 64, "window": 8},
+    {"policy": "h2o", "budget": 64},
+    {"policy": "tova", "budget": 64, "window": 4},
+    {"policy": "keyformer", "budget": 64, "window": 8},
+    {"policy": "streamingllm", "budget": 48, "prompt_chunk": 64},
+    {"policy": "window", "budget": 48},
+    {"policy": "random", "budget": 64, "window": 4},
+    {"policy": "adakv", "budget": 64, "window": 8},
+    {"policy": "pyramidkv", "budget": 80, "window": 8},
+    {"policy": "adaptive", "budget": 64, "window": 8},
+    {"policy": "h2o", "allocation": "per_head", "trigger": "once", "budget": 64},
+    {"policy": "tova", "allocation": "pyramid", "budget": 64, "window": 4},
+    {"policy": "snapkv", "selection": "span", "span": 8, "compression_ratio": 0.75, "window": 8},
+    None,
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from kvc_tools.models import build_tiny_llama, default_cache_root
+
+    return str(build_tiny_llama(default_cache_root() / "models" / "tiny-llama-4kv-seed1", seed=1,
+                                num_heads=8, num_kv_heads=4))
+
+
+@pytest.fixture(scope="module")
+def tp1(model):
+    engine = Engine(**engine_kwargs(model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def tp2(model):
+    import vllm.envs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core per rank (NUMA binding fails otherwise)
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: step by step
+        engine = Engine(**engine_kwargs(model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS,
+                                        tensor_parallel_size=2, distributed_executor_backend="mp",
+                                        num_gpu_blocks_override=44 * NUM_LAYERS))
+        yield engine
+        engine.close()
+    vllm.envs.disable_envs_cache()
+
+
+def by_prompt_len(stats: dict, lengths: set[int]) -> dict[int, dict]:
+    return {r["prefill_len"]: r for r in stats["requests"].values() if r["finished"] and r["prefill_len"] in lengths}
+
+
+def test_tensor_parallel_equals_one_device(tp1, tp2, model):
+    from vllm_kvcompress.reference import ReferenceDecoder
+
+    prompts = random_prompts([180 + 5 * i for i in range(len(CONFIGS))], seed=83)
+    lengths = {len(p) for p in prompts}
+    one = tp1.generate(prompts, NEW_TOKENS, CONFIGS)
+    before = tp2.stats()["preemptions"]
+    two = tp2.generate(prompts, NEW_TOKENS, CONFIGS)
+    assert tp2.stats()["preemptions"] > before, "the TP=2 cache was meant to be too small"
+    s1, s2 = by_prompt_len(tp1.stats(), lengths), by_prompt_len(tp2.stats(), lengths)
+    reference = ReferenceDecoder(model)
+    for prompt, config, a, b in zip(prompts, CONFIGS, one, two):
+        assert b == a, f"TP=2 differs from TP=1: {config}"
+        cfg = KVCompressConfig.from_dict({**config, "layer_groups": NUM_LAYERS}) if config else None
+        assert b == reference.generate(prompt, NEW_TOKENS, cfg, block_size=BLOCK_SIZE)["tokens"], config
+        if config is not None and len(prompt) in s2 and s2[len(prompt)]["compressions"]:
+            # A preempted request's second life: compare what it evicted overall.
+            r1, r2 = s1[len(prompt)], s2[len(prompt)]
+            assert (tuple(r2["tokens_kept_per_group"]), r2["compressions"]) == \
+                (tuple(r1["tokens_kept_per_group"]), r1["compressions"]), config
+    end = tp2.stats()
+    assert end["free_blocks"] == end["total_blocks"]
+
+
+def test_abort_and_preemption_leave_the_pool_whole(tp2):
+    from vllm import SamplingParams
+
+    core = tp2.llm.llm_engine
+    prompts = random_prompts([230, 200, 210, 220, 190], seed=89)
+    configs = [None, {"policy": "adakv", "budget": 64, "window": 8}, None,
+               {"policy": "h2o", "budget": 64}, {"policy": "pyramidkv", "budget": 80, "window": 8}]
+    for i, (prompt, config) in enumerate(zip(prompts, configs)):
+        params = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True,
+                                extra_args=None if config is None else {"kv_compress": config})
+        core.add_request(f"a{i}", {"prompt_token_ids": prompt}, params)
+    step = 0
+    while core.has_unfinished_requests():
+        if step == 30:
+            core.abort_request(["a1"])
+        core.step()
+        step += 1
+    end = tp2.stats()
+    assert end["free_blocks"] == end["total_blocks"]
