@@ -244,7 +244,9 @@ def check_layout(layer, views, ops, write, backend: str) -> None:
 def tensor_parallel_shard() -> HeadShard:
     """This worker's heads among vLLM's tensor-parallel ranks (a slice of every layer's)."""
     from vllm.distributed import (
-        get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group,
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        get_tp_group,
     )
 
     size = get_tensor_model_parallel_world_size()
