@@ -22,7 +22,8 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model: str, *args: str, log: Path, timeout: float = 240) -> None:
+    def __init__(self, model: str, *args: str, log: Path, timeout: float = 240,
+                 env: dict[str, str] | None = None) -> None:
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -30,7 +31,7 @@ class Server:
         cmd = [VLLM, "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
                *args]
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "HF_HUB_OFFLINE": "1"}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         deadline = time.time() + timeout

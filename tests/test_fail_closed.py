@@ -18,7 +18,7 @@ SNAPKV = dict(kv_compress="snapkv", kv_compress_budget=64)
      "speculative decoding"),
     ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}}, "KV connector"),
     ({"tensor_parallel_size": 4}, "over 2 KV heads"),  # ranks would hold copies of a head
-    ({"pipeline_parallel_size": 2}, "pipeline/data parallelism"),
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism"),
     ({"scheduler_cls": "my.Scheduler"}, "custom scheduler_cls"),
 ])
 def test_unsupported_engine_features_are_refused(tiny_model, extra, needle):

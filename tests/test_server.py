@@ -1,8 +1,14 @@
-"""The real OpenAI server with compression: endpoints, per-request control, metrics, shutdown."""
+"""The real OpenAI server with compression: endpoints, per-request control, metrics, shutdown.
+
+Every check runs against one rank, against tensor parallelism over two
+(`--tensor-parallel-size 2`, a CPU core per rank) and against data parallelism
+over two engine cores (`--data-parallel-size 2`: two schedulers, two API
+server processes, /metrics summed over both)."""
 
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,10 +20,15 @@ from server_utils import Server
 TIMEOUT = 120
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+PARALLEL = {"tp1": [], "tp2": ["--tensor-parallel-size", "2"], "dp2": ["--data-parallel-size", "2"]}
+
+
+@pytest.fixture(scope="module", params=sorted(PARALLEL))
+def server(request, tiny_model, tmp_path_factory):
     srv = Server(tiny_model, "--kv-compress", "snapkv", "--kv-compress-budget", "64", "--max-num-seqs", "8",
-                 log=tmp_path_factory.mktemp("serve") / "serve.log")
+                 *PARALLEL[request.param], log=tmp_path_factory.mktemp("serve") / "serve.log",
+                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if request.param == "tp2" else None)
+    srv.parallel = request.param
     yield srv
     srv.stop()
 
@@ -108,6 +119,12 @@ def test_many_concurrent_requests_and_metrics(server):
     assert m["vllm:kv_compress_seconds_total{phase=compaction}"] > 0
     # Idle again: every block is back in the pool.
     assert m["vllm:kv_compress_free_blocks"] == m["vllm:kv_compress_total_blocks"] > 0
+    # The counters are the sum over engine cores (two schedulers under data parallelism).
+    logged = [int(n) for n in re.findall(r"evicted (\d+) in \d+ compression", server.output())]
+    assert m["vllm:kv_compress_tokens_evicted_total"] >= sum(logged) > 0
+    if server.parallel == "dp2":
+        cores = set(re.findall(r"EngineCore_DP(\d)[^\n]*kv_compress \w+ \S+: prompt", server.output()))
+        assert cores == {"0", "1"}, "both engine cores compressed requests"
 
 
 def test_clean_shutdown(server):

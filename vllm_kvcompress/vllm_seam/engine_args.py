@@ -96,8 +96,13 @@ def add_kv_compress_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _check_after_parsing(parser: argparse.ArgumentParser) -> None:
-    """A bad kv_compress flag is an argument error: one line and exit 2, as
-    argparse reports vLLM's own (not a traceback from the engine's startup).
+    """Validate and fold the kv_compress flags as soon as they are parsed.
+
+    A bad flag is an argument error: one line and exit 2, as argparse reports
+    vLLM's own (not a traceback from the engine's startup). A good one goes
+    into the namespace's `additional_config` right away, so processes that
+    build their engine arguments from the namespace before this plugin loads
+    in them (the API server processes of data parallelism) still see it.
 
     Wraps this parser instance's `parse_known_args`, which argparse also
     calls for a subcommand's parser (`vllm serve`).
@@ -108,9 +113,20 @@ def _check_after_parsing(parser: argparse.ArgumentParser) -> None:
         namespace, rest = parse(args, namespace)
         values = {k: v for k, v in vars(namespace).items() if k.startswith("kv_compress")}
         try:
-            config_from_options(values)
+            config = config_from_options(values)
         except KVCompressConfigError as e:
             parser.error(str(e))
+        if config is not None and hasattr(namespace, "additional_config"):
+            namespace.additional_config = {**(namespace.additional_config or {}), CONFIG_KEY: config}
+        if (config is not None and getattr(namespace, "data_parallel_size", 1) > 1
+                and getattr(namespace, "api_server_count", 0) is None):
+            # vLLM would start one API server per engine core; several API
+            # servers serve /metrics from prometheus' multiprocess files only,
+            # which the plugin's collector cannot join. One API server still
+            # serves every engine core.
+            logger.info("kv_compress: one API server process for %d engine cores, so that /metrics "
+                        "sums the plugin's counters over all of them", namespace.data_parallel_size)
+            namespace.api_server_count = 1
         return namespace, rest
 
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
@@ -195,8 +211,9 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
         raise _refuse("speculative decoding (drafts are written at logical slots)")
     if args.kv_transfer_config:
         raise _refuse("a KV connector (it addresses blocks by logical position)")
-    if args.pipeline_parallel_size > 1 or args.data_parallel_size > 1:
-        raise _refuse("pipeline/data parallelism (tensor parallelism is supported)")
+    if args.pipeline_parallel_size > 1:
+        raise _refuse("pipeline parallelism (a stage holds only some layers; tensor and data parallelism "
+                      "are supported)")
     if args.kv_cache_dtype not in (None, "auto"):
         raise _refuse(f"a quantised KV cache (kv_cache_dtype={args.kv_cache_dtype}; compaction copies raw values)")
     if args.scheduler_cls not in (None, SCHEDULER_CLS) and "vllm.v1.core.sched" not in str(args.scheduler_cls):
