@@ -50,6 +50,32 @@ def test_kept_tokens_fill_the_holes_and_recent_means_newest_position():
     assert (keep[moved] >= 5).all()  # sources are never destinations
 
 
+def test_span_carry_keeps_what_follows_a_kept_token():
+    from vllm_kvcompress.selection import SpanCarry
+
+    # Cache order is not chronological: position 9 sits in slot 2.
+    positions = torch.tensor([[0, 1, 9, 3, 4, 5, 6, 7, 8, 2]])
+    scores = torch.tensor([[0.0, 0, 0, 5, 0, 0, 0, 1, 0, 0]])  # position 3 scores 5, position 7 scores 1
+    got = select_keep(scores, positions, keep=5, sinks=1, recent=1, selection=SpanCarry(span=3))
+    # By position, carried: 0 sink | 1:0 2:0 3:5 4:5 5:5 6:0 7:1 8:1 | 9 recent -> keep 0, 9, 3, 4, 5.
+    assert sorted(positions[0, got[0]].tolist()) == [0, 3, 4, 5, 9]
+    # span 1 is plain top-k: 3 and 7.
+    plain = select_keep(scores, positions, keep=4, sinks=1, recent=1, selection=SpanCarry(span=1))
+    assert sorted(positions[0, plain[0]].tolist()) == [0, 3, 7, 9]
+
+
+def test_chunk_selection_keeps_whole_chunks_by_summed_score():
+    from vllm_kvcompress.selection import ChunkSelection
+
+    positions = torch.arange(12).view(1, -1)
+    # Unprotected tokens 1..10 in chunks of 3: [1,2,3] [4,5,6] [7,8,9] [10].
+    scores = torch.tensor([[0.0, 1, 1, 1, 0, 4, 0, 2, 2, 0, 9, 0]])
+    got = select_keep(scores, positions, keep=8, sinks=1, recent=1, selection=ChunkSelection(chunk_length=3))
+    # Sums 3, 4, 4, 9: chunk [10], then [4,5,6] (the earlier of the ties), then [7,8,9] truncated
+    # to its first two tokens: 6 ranked tokens, plus sink 0 and recent 11.
+    assert sorted(positions[0, got[0]].tolist()) == [0, 4, 5, 6, 7, 8, 10, 11]
+
+
 def test_reduce_gqa_groups_consecutive_query_heads():
     att = torch.tensor([[1.0, 0], [3, 0], [0, 2], [0, 6]])  # 4 query heads, 2 kv heads (groups of 2)
     assert reduce_gqa(att, 2, "mean").tolist() == [[2.0, 0.0], [0.0, 4.0]]
