@@ -292,8 +292,10 @@ def run_kvpress(args, model: str, prompts: list[dict], cfgs: list, mdefs: dict, 
     if reqs:
         print(f"[compare] kvpress: {len(reqs)} requests ({len(ids) - len(reqs)} reused) in "
               f"{args.kvpress_python} ...", file=sys.stderr, flush=True)
-        tmp_in = Path(f"{args.out}_kvpress_in.json")
-        tmp_out = Path(f"{args.out}_kvpress_new.json")
+        # Worker files in the git-ignored .cache/, not beside the results.
+        work = ROOT / ".cache" / "kvpress_compare"
+        work.mkdir(parents=True, exist_ok=True)
+        tmp_in, tmp_out = work / f"{args.out.name}_in.json", work / f"{args.out.name}_out.json"
         tmp_in.write_text(json.dumps(dict(model=model, dtype=quality.DTYPE, threads=args.kvpress_threads,
                                           requests=reqs)))
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TRANSFORMERS_VERBOSITY="error",
@@ -427,8 +429,11 @@ def markdown(run: dict, rows: list[dict], cfgs: list, mdefs: dict) -> str:
         "- budget rounding: kvpress keeps int(L * kept) tokens, the plugin L - floor(L * ratio): they differ by "
         "one token when L * kept is not whole",
     ]
-    if run["samples"] < 3:
-        lines.append("- **few samples: a smoke test, the scores mean little**")
+    if run["prompts"] < 6:
+        lines.append(f"- **{run['prompts']} prompts: a smoke test, the scores mean little**")
+    else:
+        lines.append(f"- {run['samples']} prompts per task and length, {run['prompts']} per cell of the first two "
+                     f"tables: a coarse picture (one prompt moves a cell by up to 1/{run['prompts']})")
     lines += ["", "## Score: plugin / kvpress", "",
               "Mean string_match_all over all prompts; each cell is `plugin / kvpress`.", "",
               "| method | " + " | ".join(f"kept {quality.frac(k)}" for k in kept) + " |",
@@ -449,6 +454,10 @@ def markdown(run: dict, rows: list[dict], cfgs: list, mdefs: dict) -> str:
             a = by_mk.get((meth, 1.0 if meth == "none" else k))
             cells.append("-" if a is None else f"{a['same']}/{a['n']}")
         lines.append(f"| {name(meth)} | " + " | ".join(cells) + " |")
+    lines += ["", "Differing generations on prompts where the two sides kept a different number of prompt tokens "
+              "(budget rounding; ChunkKVPress's whole chunks): "
+              + ", ".join(f"{name(meth)} {run['other_budget'].get(meth, [0, 0])[0]} of "
+                          f"{run['other_budget'].get(meth, [0, 0])[1]}" for meth in names) + "."]
     lines += ["", "## Methods", "", "| method | kvpress press | plugin policy (`extra_args`) |", "|---|---|---|"]
     if not run["no_full"]:
         lines.append(f"| {FULL} | no press | `{json.dumps(quality.kv_args('none', 1.0))}` |")
@@ -549,6 +558,15 @@ def main(argv=None) -> int:
                     kvpress_score=longctx.string_match_all(k["text"], s["outputs"]),
                     plugin_prompt_kv_kept=p["prompt_kv_kept"],
                     kvpress_kv_tokens_after_prefill=k["kv_tokens_after_prefill"])) + "\n")
+    other_budget: dict[str, list[int]] = {}  # method -> [differing with other kept counts, differing]
+    for method, kept in cfgs:
+        for s in prompts:
+            key = (method, kept, s["task"], s["length_label"], s["index"])
+            p, k = plugin["results"][key], kvp["results"][key]
+            if p["text"] != k["text"]:
+                c = other_budget.setdefault(method, [0, 0])
+                c[1] += 1
+                c[0] += int(p["prompt_kv_kept"] != k["kv_tokens_after_prefill"])
     wall_s = time.perf_counter() - t_start
     run = dict(command=command, date=date, machine=machine, model=model, model_name=Path(model).name,
                kvpress_info=kvpress_info, vllm_version=plugin["vllm_version"], max_model_len=plugin["max_model_len"],
@@ -556,7 +574,8 @@ def main(argv=None) -> int:
                no_full=args.no_full, prompts=len(prompts), wall_s=wall_s, plugin_startup_s=plugin["startup_s"],
                plugin_generate_s=plugin["generate_s"], plugin_requests=plugin["requests"],
                kvpress_wall_s=kvp["wall_s"], kvpress_requests=kvp["requests"], kvpress_reused=kvp["reused"],
-               kvpress_threads=kvp["threads"], csv=str(csv_path), predictions=str(pred_path))
+               kvpress_threads=kvp["threads"], csv=str(csv_path), predictions=str(pred_path),
+               other_budget=other_budget)
     md = markdown(run, rows, cfgs, mdefs)
     md_path.write_text(md)
     print("\n" + md.split("## Methods")[0])
