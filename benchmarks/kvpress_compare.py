@@ -434,26 +434,21 @@ def markdown(run: dict, rows: list[dict], cfgs: list, mdefs: dict) -> str:
     else:
         lines.append(f"- {run['samples']} prompts per task and length, {run['prompts']} per cell of the first two "
                      f"tables: a coarse picture (one prompt moves a cell by up to 1/{run['prompts']})")
-    lines += ["", "## Score: plugin / kvpress", "",
-              "Mean string_match_all over all prompts; each cell is `plugin / kvpress`.", "",
-              "| method | " + " | ".join(f"kept {quality.frac(k)}" for k in kept) + " |",
-              "|---|" + "---:|" * len(kept)]
-    for meth in names:
-        cells = []
-        for k in kept:
-            a = by_mk.get((meth, 1.0 if meth == "none" else k))
-            cells.append("-" if a is None else f"{fmt(a['pl'])} / {fmt(a['kv'])}")
-        lines.append(f"| {name(meth)} | " + " | ".join(cells) + " |")
-    lines += ["", "## Identical generations", "",
-              "Prompts whose generated text is the same on both sides (out of the prompts run).", "",
-              "| method | " + " | ".join(f"kept {quality.frac(k)}" for k in kept) + " |",
-              "|---|" + "---:|" * len(kept)]
-    for meth in names:
-        cells = []
-        for k in kept:
-            a = by_mk.get((meth, 1.0 if meth == "none" else k))
-            cells.append("-" if a is None else f"{a['same']}/{a['n']}")
-        lines.append(f"| {name(meth)} | " + " | ".join(cells) + " |")
+    def method_table(title: str, note: str, cell) -> list[str]:
+        """One row per method, one column per kept fraction; `cell(a)` renders a cell's aggregate."""
+        out = ["", title, "", note, "", "| method | " + " | ".join(f"kept {quality.frac(k)}" for k in kept) + " |",
+               "|---|" + "---:|" * len(kept)]
+        for meth in names:
+            cells = [by_mk.get((meth, 1.0 if meth == "none" else k)) for k in kept]
+            out.append(f"| {name(meth)} | " + " | ".join("-" if a is None else cell(a) for a in cells) + " |")
+        return out
+
+    lines += method_table("## Score: plugin / kvpress",
+                          "Mean string_match_all over all prompts; each cell is `plugin / kvpress`.",
+                          lambda a: f"{fmt(a['pl'])} / {fmt(a['kv'])}")
+    lines += method_table("## Identical generations",
+                          "Prompts whose generated text is the same on both sides (out of the prompts run).",
+                          lambda a: f"{a['same']}/{a['n']}")
     lines += ["", "Differing generations on prompts where the two sides kept a different number of prompt tokens "
               "(budget rounding; ChunkKVPress's whole chunks): "
               + ", ".join(f"{name(meth)} {run['other_budget'].get(meth, [0, 0])[0]} of "

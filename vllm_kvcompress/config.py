@@ -35,6 +35,7 @@ ENGINE_FIELDS = ("layer_groups",)  # fixed at startup: a request cannot change t
 _OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "selection": str, "budget": int,
                                      "compression_ratio": float, "interval": int, "layer_groups": int}
 _CHOICES: dict[str, Mapping[str, type]] = {"allocation": ALLOCATIONS, "trigger": TRIGGERS, "selection": SELECTIONS}
+_COMPONENT_REGISTRIES = (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS)
 
 
 # Short names accepted for fields (the CLI flag is --kv-compress-ratio).
@@ -59,7 +60,7 @@ def composition_params(policy: str, allocation: str | None = None, trigger: str 
 def all_params() -> dict[str, dict[str, Any]]:
     """Every parameter name -> {component name: default}, for CLI flags."""
     out: dict[str, dict[str, Any]] = {}
-    for registry in (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS):
+    for registry in _COMPONENT_REGISTRIES:
         for name in sorted(registry):
             for f in dataclasses.fields(registry[name]):
                 out.setdefault(f.name, {})[name] = f.default
@@ -68,7 +69,7 @@ def all_params() -> dict[str, dict[str, Any]]:
 
 def param_field(name: str) -> dataclasses.Field:
     """The dataclass field behind a parameter name (the first component that has it)."""
-    for registry in (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS):
+    for registry in _COMPONENT_REGISTRIES:
         for cls in registry.values():
             fields = {f.name: f for f in dataclasses.fields(cls)}
             if name in fields:

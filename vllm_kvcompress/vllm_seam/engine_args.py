@@ -100,9 +100,10 @@ def _check_after_parsing(parser: argparse.ArgumentParser) -> None:
 
     A bad flag is an argument error: one line and exit 2, as argparse reports
     vLLM's own (not a traceback from the engine's startup). A good one goes
-    into the namespace's `additional_config` right away, so processes that
-    build their engine arguments from the namespace before this plugin loads
-    in them (the API server processes of data parallelism) still see it.
+    into the namespace's `additional_config` right away, a field that
+    `EngineArgs.from_cli_args` copies: so every process that builds engine
+    arguments from the namespace sees it, even before this plugin loads there
+    (the API server processes of data parallelism).
 
     Wraps this parser instance's `parse_known_args`, which argparse also
     calls for a subcommand's parser (`vllm serve`).
@@ -168,18 +169,6 @@ def wrap_add_cli_args(original):
         return parser
 
     return add_cli_args
-
-
-def wrap_from_cli_args(original):
-    def from_cli_args(cls, args: argparse.Namespace):
-        engine_args = original(cls, args)
-        values = {k: v for k, v in vars(args).items() if k.startswith("kv_compress")}
-        config = config_from_options(values)
-        if config is not None:
-            engine_args.additional_config = {**(engine_args.additional_config or {}), CONFIG_KEY: config}
-        return engine_args
-
-    return from_cli_args
 
 
 def wrap_init(original):

@@ -56,8 +56,6 @@ class Patch:
 _TABLE = """
 vllm.engine.arg_utils | EngineArgs | add_cli_args | engine_args.wrap_add_cli_args | staticmethod
     | add the KVCompress flag group to every vLLM parser
-vllm.engine.arg_utils | EngineArgs | from_cli_args | engine_args.wrap_from_cli_args | classmethod
-    | fold --kv-compress-* flags into additional_config (from_cli_args copies fields only)
 vllm.engine.arg_utils | EngineArgs | __init__ | engine_args.wrap_init | method
     | accept LLM(kv_compress=...) keywords (unknown fields raise TypeError otherwise)
 vllm.engine.arg_utils | AsyncEngineArgs | __init__ | engine_args.wrap_init | method
