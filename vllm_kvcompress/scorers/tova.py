@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.reference import reduce_gqa
 from .base import KeepsRecent, Observation, Observe
 
 
@@ -21,11 +20,10 @@ class TOVA(KeepsRecent):
         # heads of the layer, one score per token shared by every KV head (so
         # they keep the same tokens, as in the paper and kvpress's TOVAPress).
         assert obs.attention is not None
-        group = obs.attention.shape[0] // obs.num_kv_heads
+        # Slots are comparable across heads only while every head holds the
+        # same tokens in the same slots, which is what a shared selection keeps
+        # (per-head budgets are refused with TOVA).
         if not bool((obs.positions == obs.positions[:1]).all()):
-            # Heads hold different tokens (per-head budgets compacted them
-            # apart): slots are not comparable across heads; each KV head
-            # averages its own query group.
-            return reduce_gqa(obs.attention, group, "mean")
+            raise RuntimeError("kv_compress: tova needs every KV head of a layer to hold the same tokens")
         every_head = obs.shard.all_heads(obs.attention)  # tensor parallel: the other ranks' heads too
         return every_head.mean(dim=0, keepdim=True).expand(obs.num_kv_heads, -1).clone()
