@@ -46,6 +46,7 @@ __all__ = [
     "SMOLLM2_GGUF_SHA256",
     "SMOLLM2_WHEEL",
     "ModelPrepError",
+    "build_tiny_gemma3",
     "build_tiny_llama",
     "default_cache_root",
     "default_smollm2_dir",
@@ -402,30 +403,10 @@ def build_tiny_llama(
         "init_std": init_std,
         "rope_theta": rope_theta,
     }
-    if num_heads % num_kv_heads:
-        raise ModelPrepError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if min(num_layers, hidden_size, num_heads, num_kv_heads, head_dim, vocab_size) < 1:
-        raise ModelPrepError(f"model sizes must be positive: {params}")
-    if vocab_size < 256 + len(TINY_SPECIAL_TOKENS):
-        raise ModelPrepError(f"vocab_size must be >= {256 + len(TINY_SPECIAL_TOKENS)} (byte alphabet)")
 
-    folder = Path(path).expanduser().absolute()
-    corpus_id, texts = _tiny_corpus()
-    corpus_sha = hashlib.sha256("\0".join(texts).encode("utf-8")).hexdigest()
-    expect = {
-        "kind": "tiny-llama",
-        "format": TINY_FORMAT,
-        "params": params,
-        "corpus": corpus_id,
-        "corpus_sha256": corpus_sha,
-    }
+    def make(tok, torch):
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    def build(tmp: Path) -> dict[str, Any]:
-        _offline_env()
-        import torch
-        from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-        tok = _train_tiny_tokenizer(vocab_size, texts, max_position_embeddings)
         cfg = LlamaConfig(
             vocab_size=vocab_size,
             hidden_size=hidden_size,
@@ -446,15 +427,119 @@ def build_tiny_llama(
             dtype="float32",
             architectures=["LlamaForCausalLM"],
         )
-        model = LlamaForCausalLM(cfg).to(torch.float32)
-        gen = torch.Generator().manual_seed(seed)
+        return LlamaForCausalLM(cfg), 1.0  # Llama's RMSNorm multiplies by its weight
+
+    return _build_tiny(path, "tiny-llama", params, make, force)
+
+
+def build_tiny_gemma3(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    layer_types: tuple[str, ...] = ("sliding_attention", "sliding_attention", "full_attention") * 2,
+    sliding_window: int = 64,
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate_size: int = 768,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    init_std: float = 0.08,
+    force: bool = False,
+) -> Path:
+    """Build (or return the cached) seeded random Gemma3 text model at ``path``.
+
+    A hybrid model: ``layer_types`` interleaves sliding-window layers (window
+    ``sliding_window``) with full-attention ones, as Gemma 2/3 do; vLLM gives
+    each kind its own KV cache groups. Same seeded init and tokenizer as
+    ``build_tiny_llama``; norm weights start at 0 (Gemma's norms scale by
+    1 + weight).
+    """
+    params = {
+        "seed": seed,
+        "layer_types": list(layer_types),
+        "sliding_window": sliding_window,
+        "tie_word_embeddings": False,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "init_std": init_std,
+    }
+
+    def make(tok, torch):
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=len(layer_types),
+            layer_types=list(layer_types),
+            sliding_window=sliding_window,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            tie_word_embeddings=False,  # as for the tiny Llama: a tied random head echoes tokens
+            max_position_embeddings=max_position_embeddings,
+            initializer_range=init_std,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            dtype="float32",
+            architectures=["Gemma3ForCausalLM"],
+        )
+        return Gemma3ForCausalLM(cfg), 0.0
+
+    return _build_tiny(path, "tiny-gemma3", params, make, force)
+
+
+def _build_tiny(path: str | Path, kind: str, params: dict[str, Any], make, force: bool) -> Path:
+    """Shared by the tiny builders: checks, tokenizer, seeded weights, manifest.
+
+    ``make(tokenizer, torch)`` returns the model and the value its norm weights start at.
+    """
+    num_heads, num_kv_heads, vocab_size = params["num_heads"], params["num_kv_heads"], params["vocab_size"]
+    if num_heads % num_kv_heads:
+        raise ModelPrepError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    sizes = [v for k, v in params.items() if k not in ("seed", "init_std") and type(v) is int]
+    if min(sizes) < 1:
+        raise ModelPrepError(f"model sizes must be positive: {params}")
+    if vocab_size < 256 + len(TINY_SPECIAL_TOKENS):
+        raise ModelPrepError(f"vocab_size must be >= {256 + len(TINY_SPECIAL_TOKENS)} (byte alphabet)")
+
+    folder = Path(path).expanduser().absolute()
+    corpus_id, texts = _tiny_corpus()
+    corpus_sha = hashlib.sha256("\0".join(texts).encode("utf-8")).hexdigest()
+    expect = {
+        "kind": kind,
+        "format": TINY_FORMAT,
+        "params": params,
+        "corpus": corpus_id,
+        "corpus_sha256": corpus_sha,
+    }
+
+    def build(tmp: Path) -> dict[str, Any]:
+        _offline_env()
+        import torch
+        from transformers import GenerationConfig
+
+        tok = _train_tiny_tokenizer(vocab_size, texts, params["max_position_embeddings"])
+        model, norm_init = make(tok, torch)
+        model = model.to(torch.float32)
+        gen = torch.Generator().manual_seed(params["seed"])
         with torch.no_grad():
             # Our own init, independent of transformers' init code and global RNG.
             for name, p in sorted(model.named_parameters()):
                 if name.endswith("norm.weight"):
-                    p.fill_(1.0)
+                    p.fill_(norm_init)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * init_std)
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * params["init_std"])
         model.generation_config = GenerationConfig(
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
         )

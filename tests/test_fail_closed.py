@@ -29,14 +29,16 @@ def test_unsupported_engine_features_are_refused(tiny_model, extra, needle):
     assert needle in str(e.value)
 
 
-def test_sliding_window_model_is_refused(tiny_model, tmp_path):
+def test_all_sliding_window_model_is_refused(tiny_model, tmp_path):
+    """Every layer sliding-window (Mistral style): nothing to compress. Hybrid
+    models (sliding beside full attention) are served: tests/test_hybrid.py."""
     from vllm import LLM
 
     model = tmp_path / "sliding"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "sliding_window": 64}))
-    with pytest.raises(KVCompressConfigError, match="sliding-window model"):
+    with pytest.raises(KVCompressConfigError, match="every layer is sliding-window"):
         LLM(**engine_kwargs(str(model), **SNAPKV))
 
 

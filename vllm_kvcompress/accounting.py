@@ -29,6 +29,9 @@ class RequestStats:
     blocks_held: int = 0  # after the latest compression, then when the cache was released
     finished: bool = False
     tokens_kept_per_group: tuple[int, ...] = ()
+    # When the cache was released: blocks per vLLM KV cache group, compressed
+    # or not (a hybrid model's sliding-window groups too).
+    blocks_held_per_group: tuple[int, ...] = ()
 
 
 @dataclass
@@ -36,6 +39,9 @@ class CompressionStats:
     """Per-request and total counters kept by the scheduler."""
 
     total_blocks: int
+    # vLLM's KV cache groups in order: "compressed", or the kind vLLM manages
+    # itself (a hybrid model's "sliding_window" groups).
+    kv_cache_groups: tuple[str, ...] = ()
     max_finished: int = 1000  # finished requests remembered, oldest dropped first
     requests: dict = field(default_factory=dict)  # running
     finished: OrderedDict = field(default_factory=OrderedDict)
@@ -65,12 +71,13 @@ class CompressionStats:
         self.blocks_freed += blocks_freed
         self.compressions += 1
 
-    def finish(self, request_id: str, preempted: bool, blocks_held: int) -> RequestStats | None:
+    def finish(self, request_id: str, preempted: bool, blocks_held: tuple[int, ...]) -> RequestStats | None:
         r = self.requests.pop(request_id, None)
         if r is None:
             return None
         r.finished = True
-        r.blocks_held = blocks_held
+        r.blocks_held = sum(blocks_held)
+        r.blocks_held_per_group = tuple(blocks_held)
         # A preempted request starts over (re-prefill, new state); its first
         # life is kept under a distinct key so totals stay explainable.
         key = request_id
@@ -86,6 +93,7 @@ class CompressionStats:
         out: dict[str, Any] = {
             "total_blocks": self.total_blocks,
             "free_blocks": free_blocks,
+            "kv_cache_groups": list(self.kv_cache_groups),
             "tokens_evicted": self.tokens_evicted,
             "blocks_freed": self.blocks_freed,
             "compressions": self.compressions,

@@ -321,7 +321,7 @@ def _is_name_in(value: Any, registry: Mapping[str, Any]) -> bool:
 
 def _field_name(key: Any) -> str:
     """A key as the error names it: plain if it could be a field, quoted otherwise."""
-    return key if isinstance(key, str) and key.isidentifier() else repr(key)
+    return key if isinstance(key, str) and key.isascii() and key.isidentifier() else repr(key)
 
 
 def _describe(components: Mapping[str, str | None]) -> str:

@@ -1,7 +1,10 @@
 """Plain-torch reference decoder: the test oracle for the vLLM integration.
 
-A Llama forward pass written out with an explicit, dense KV cache per layer
-(`[num_kv_heads, T, head_dim]`, keys after RoPE). Attention probabilities are
+A Llama (or Gemma 3) forward pass written out with an explicit, dense KV cache
+per layer (`[num_kv_heads, T, head_dim]`, keys after RoPE). Gemma 3 is a
+hybrid model: its sliding-window layers keep every token and mask by logical
+distance (the window), and only its full-attention layers compress, as in
+the engine. Attention probabilities are
 computed explicitly, used for the output and, for the queries the scorer
 observes, fed to the same `RequestCompression` bookkeeping the worker uses.
 Compressions happen exactly when the planner says (the scheduler's state
@@ -28,19 +31,35 @@ class ReferenceDecoder:
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         cfg = self.model.config
-        if cfg.model_type not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"reference decoder supports Llama-like models, not {cfg.model_type}")
+        self.gemma = cfg.model_type in ("gemma3_text", "gemma3")
+        if cfg.model_type not in ("llama", "qwen2", "mistral") and not self.gemma:
+            raise ValueError(f"reference decoder supports Llama-like and Gemma 3 models, not {cfg.model_type}")
+        if getattr(cfg, "sliding_window", None) is not None and not self.gemma:
+            raise ValueError("reference decoder: sliding windows only for Gemma 3's layer types")
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise ValueError("reference decoder: attention logit soft caps are not supported (nor by the plugin)")
         self.num_layers = cfg.num_hidden_layers
         self.num_q_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scale = self.head_dim ** -0.5
+        self.scale = cfg.query_pre_attn_scalar ** -0.5 if self.gemma else self.head_dim ** -0.5
+        layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
+        # Per layer: the sliding window (None: full attention, which compresses).
+        self.window = [cfg.sliding_window if t == "sliding_attention" else None for t in layer_types]
+        self.layer_types = layer_types
+        # Model layer -> index among the compressed (full-attention) layers.
+        self.compressed = {layer: i for i, layer in enumerate(
+            layer for layer, w in enumerate(self.window) if w is None)}
 
     # ------------------------------------------------------------ model
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """x [H, n, D] rotated to logical `positions` [n] (HF's rotate_half form)."""
-        cos, sin = self.model.model.rotary_emb(x, positions.view(1, -1))
+        rotary = self.model.model.rotary_emb
+        if self.gemma:  # one RoPE base per layer type
+            cos, sin = rotary(x, positions.view(1, -1), self.layer_types[layer_idx])
+        else:
+            cos, sin = rotary(x, positions.view(1, -1))
         cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)  # [n, D]
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -58,10 +77,13 @@ class ReferenceDecoder:
         for layer_idx, layer in enumerate(m.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(n, self.num_q_heads, self.head_dim).transpose(0, 1)
-            k = attn.k_proj(h).view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
+            q = attn.q_proj(h).view(n, self.num_q_heads, self.head_dim)
+            k = attn.k_proj(h).view(n, self.num_kv_heads, self.head_dim)
+            if self.gemma:  # per-head RMSNorm of q and k before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(0, 1), k.transpose(0, 1)
             v = attn.v_proj(h).view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
-            q, k = self._rope(q, positions), self._rope(k, positions)
+            q, k = self._rope(q, positions, layer_idx), self._rope(k, positions, layer_idx)
             keys, values = cache[layer_idx]
             keys, values = torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1)
             cache[layer_idx] = (keys, values)
@@ -71,19 +93,30 @@ class ReferenceDecoder:
             v_rep = values.repeat_interleave(group, dim=0)
             logits = (q @ k_rep.transpose(1, 2)) * self.scale  # [Hq, n, T]
             # Query i sits at physical slot total - n + i and sees slots <= it.
-            visible = torch.arange(total).view(1, -1) <= (total - n + torch.arange(n)).view(-1, 1)
+            q_slot = (total - n + torch.arange(n)).view(-1, 1)
+            visible = torch.arange(total).view(1, -1) <= q_slot
+            window = self.window[layer_idx]
+            if window is not None:  # never compressed: slots are logical positions
+                visible &= torch.arange(total).view(1, -1) > q_slot - window
             logits = logits.masked_fill(~visible, float("-inf"))
-            dead = state.dead_slots(layer_idx, total) if state is not None else None
+            c = self.compressed.get(layer_idx)  # None: a sliding-window layer
+            dead = state.dead_slots(c, total) if state is not None and c is not None else None
             if dead is not None:  # per-head budgets: slots this head evicted
                 logits = logits.masked_fill(dead.repeat_interleave(group, dim=0).unsqueeze(1), float("-inf"))
             probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
-            out = (probs @ v_rep).transpose(0, 1).reshape(n, -1)
-            x = x + attn.o_proj(out)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if observed is not None and observed.any():
-                state.observe(layer_idx, logits[:, observed].float(), positions[observed])
+            out = attn.o_proj((probs @ v_rep).transpose(0, 1).reshape(n, -1))
+            if self.gemma:  # sandwich norms around attention and MLP
+                x = x + layer.post_attention_layernorm(out)
+                x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+            else:
+                x = x + out
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if observed is not None and observed.any() and c is not None:
+                state.observe(c, logits[:, observed].float(), positions[observed])
         x = m.norm(x[-1:])
-        return self.model.lm_head(x)[0].float()
+        logits = self.model.lm_head(x)[0].float()
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _empty_cache(self):
         empty = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.model.dtype)
@@ -97,20 +130,22 @@ class ReferenceDecoder:
     ) -> dict:
         """Greedy tokens with the config's compression applied on the planner's schedule.
 
-        Returns tokens, the kept logical positions per layer at the end, the
+        Returns tokens, the kept logical positions per compressed layer at the end, the
         physical cache length after every compression and the logical length
         at which it happened, and per layer the number of masked (per-head
         evicted) slots.
         """
         config = config or KVCompressConfig()
         cache = self._empty_cache()
-        # The engine's KV cache groups: a group's layers share one length.
-        group_of_layer = layer_groups(self.num_layers, config.num_layer_groups)
-        resolved = resolve_plan(config, len(prompt), self.num_layers, block_size)
+        # The engine's KV cache groups of compressed (full-attention) layers:
+        # a group's layers share one length.
+        num_compressed = len(self.compressed)
+        group_of_layer = layer_groups(num_compressed, config.num_layer_groups)
+        resolved = resolve_plan(config, len(prompt), num_compressed, block_size)
         plan = RequestState.create(resolved, group_of_layer)
         state = None
         if resolved is not None:
-            state = RequestCompression(resolved, self.num_layers, self.num_kv_heads, self.num_q_heads)
+            state = RequestCompression(resolved, num_compressed, self.num_kv_heads, self.num_q_heads)
         lengths: list = []
         compressed_at: list[int] = []  # logical length at each compression
 
@@ -119,12 +154,12 @@ class ReferenceDecoder:
             if targets is None:
                 return
             assert state is not None
-            for layer in range(self.num_layers):
-                keep = state.select(layer, targets[group_of_layer[layer]])
+            for layer, c in self.compressed.items():
+                keep = state.select(c, targets[group_of_layer[c]])
                 keys, values = cache[layer]
                 idx = keep.unsqueeze(-1).expand(-1, -1, self.head_dim)
                 cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
-                state.compact(layer, keep)
+                state.compact(c, keep)
             state.finish_compaction()
             plan.commit(logical, targets)
             lengths.append(targets[0] if len(targets) == 1 else targets)
@@ -148,7 +183,7 @@ class ReferenceDecoder:
             compress_if_due(logical)
             logits = self._forward([tokens[-1]], torch.tensor([logical]), cache, state)
             tokens.append(int(logits.argmax()))
-        kept = [state.positions(i) for i in range(self.num_layers)] if state else None
+        kept = [state.positions(i) for i in range(num_compressed)] if state else None
         # Per-head budgets: per layer, the kept slots some head does not attend.
         dead = [0 if d is None else int(d.sum()) for d in state.dead] if state else None
         return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths,

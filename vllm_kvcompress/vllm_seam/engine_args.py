@@ -245,15 +245,45 @@ def prepare_platform(args, config: KVCompressConfig) -> None:
     args.enforce_eager = True
 
 
+COMPRESSIBLE_LAYER_TYPE = "full_attention"
+# Layer kinds that may sit beside the compressed full-attention layers:
+# vLLM manages their cache, and they never see a compressed one.
+KEPT_LAYER_TYPES = ("sliding_attention",)
+
+
+def full_attention_layers(model) -> int | None:
+    """How many of the model's attention layers compress (None: all), or refuse.
+
+    Hybrid models (Gemma 2/3) name each layer's kind in `layer_types`;
+    sliding-window layers stay with vLLM's manager. A model whose every layer
+    is sliding (Mistral-style `sliding_window`) has nothing to compress.
+    """
+    num_layers = None  # no layer types: every layer is full attention
+    hf = model.hf_text_config
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types:
+        unknown = sorted({t for t in layer_types if t not in (COMPRESSIBLE_LAYER_TYPE, *KEPT_LAYER_TYPES)})
+        if unknown:
+            raise _refuse(f"layer types {unknown} (full-attention layers compress; only sliding-window ones "
+                          f"may sit beside them)")
+        num_layers = layer_types.count(COMPRESSIBLE_LAYER_TYPE)
+    elif model.get_sliding_window() is not None:
+        num_layers = 0
+    if num_layers == 0:
+        raise _refuse("a model without full-attention layers (every layer is sliding-window)")
+    return num_layers
+
+
 def check_model(vllm_config) -> None:
-    """Refuse model kinds whose KV cache is not one full-attention group."""
+    """Refuse model kinds whose full-attention layers cannot compress."""
     model = vllm_config.model_config
     if model.use_mla:
         raise _refuse("an MLA model (latent KV cache layout)")
     if model.is_hybrid or model.is_attention_free:
-        raise _refuse("a hybrid or attention-free model (several KV cache groups)")
-    if model.get_sliding_window() is not None:
-        raise _refuse("a sliding-window model (its own eviction of old blocks)")
+        raise _refuse("a hybrid state-space or attention-free model (Mamba-style layers)")
+    num_layers = full_attention_layers(model)
+    if num_layers is None:
+        num_layers = model.get_num_layers(vllm_config.parallel_config)
     tp = vllm_config.parallel_config.tensor_parallel_size
     if model.get_total_num_kv_heads() % tp:
         raise _refuse(f"tensor_parallel_size {tp} over {model.get_total_num_kv_heads()} KV heads (ranks would "
@@ -262,7 +292,7 @@ def check_model(vllm_config) -> None:
         raise _refuse("Model Runner V2 (the hooks target the V1 runner; unset VLLM_USE_V2_MODEL_RUNNER)")
     config = KVCompressConfig.from_dict(vllm_config.additional_config[CONFIG_KEY])
     try:
-        layer_groups(model.get_num_layers(vllm_config.parallel_config), config.num_layer_groups)
+        layer_groups(num_layers, config.num_layer_groups)
     except ValueError as e:
         raise KVCompressConfigError(str(e)) from None
 

@@ -20,7 +20,7 @@ from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, reques
 from ..plan import BUDGETS_ATTR, PLAN_ATTR, Compaction, ReportedBudgets, StartedRequest, StepPlan, resolve_plan
 from ..planner import RequestState
 from .block_manager import CompressedAttentionManager
-from .groups import group_of_layer
+from .groups import CompressedLayers
 from .metrics import RatioHistogram, SnapshotWriter
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
@@ -34,28 +34,37 @@ class KVCompressScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.kvc_config = KVCompressConfig.from_dict(self.vllm_config.additional_config[CONFIG_KEY])
         groups = self.kv_cache_config.kv_cache_groups
-        if len(groups) != self.kvc_config.num_layer_groups:
+        # Full-attention layers compress; a hybrid model's sliding-window
+        # groups stay with vLLM's own manager.
+        self.kvc_layers = CompressedLayers.from_groups(groups)
+        if len(self.kvc_layers.vllm_groups) != self.kvc_config.num_layer_groups:
             raise KVCompressConfigError(
-                f"kv_compress expects {self.kvc_config.num_layer_groups} KV cache group(s), "
-                f"this model has {len(groups)}"
+                f"kv_compress expects {self.kvc_config.num_layer_groups} compressed KV cache group(s), "
+                f"this model has {len(self.kvc_layers.vllm_groups)}"
             )
-        self.kvc_group_of_layer = group_of_layer(groups)
-        self.kvc_block_size = groups[0].kv_cache_spec.block_size
+        self.kvc_group_of_layer = list(self.kvc_layers.group_of_layer)
+        self.kvc_block_size = groups[self.kvc_layers.vllm_groups[0]].kv_cache_spec.block_size
         self.kvc_states: dict[str, RequestState] = {}
-        self.kvc_stats = CompressionStats(total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1)
+        self.kvc_stats = CompressionStats(
+            total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+            kv_cache_groups=tuple("compressed" if g in self.kvc_layers.vllm_groups else _kind(group.kv_cache_spec)
+                                  for g, group in enumerate(groups)))
         self._kvc_started: dict[str, StartedRequest] = {}
         self._kvc_snapshot = SnapshotWriter("scheduler")
         self._kvc_ratios = RatioHistogram()  # finished compressed requests, for /metrics
-        self._kvc_managers = self.kv_cache_manager.coordinator.single_type_managers
-        for group, manager in enumerate(self._kvc_managers):
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        self._kvc_all_managers = managers
+        self._kvc_managers = [managers[g] for g in self.kvc_layers.vllm_groups]
+        for group, manager in zip(self.kvc_layers.vllm_groups, self._kvc_managers):
             # vLLM picks it from the groups' CompressedAttentionSpec (groups.py).
             if not isinstance(manager, CompressedAttentionManager):
                 raise RuntimeError(
                     f"kv_compress: KV cache group {group} is managed by {type(manager).__name__} "
                     f"(spec {type(groups[group].kv_cache_spec).__name__}), not CompressedAttentionManager"
                 )
-        logger.info("kv_compress scheduler ready (pid %d): %s, block %d, %d KV cache group(s)",
-                    os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size, len(groups))
+        logger.info("kv_compress scheduler ready (pid %d): %s, block %d, compressing %d of %d KV cache group(s)",
+                    os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size, len(self._kvc_managers),
+                    len(groups))
         # /metrics shows the pool from startup on, not only after the first
         # compression or finish (idle now, so the write is forced).
         self._write_snapshot()
@@ -151,7 +160,9 @@ class KVCompressScheduler(Scheduler):
 
     def _free_request_blocks(self, request) -> None:
         # Preemption and finish both end here: the request's cache is gone.
-        held = sum(len(m.req_to_blocks.get(request.request_id, ())) for m in self._kvc_managers)
+        # Every group's blocks (a sliding-window group's dropped ones are the null block).
+        held = tuple(sum(not b.is_null for b in m.req_to_blocks.get(request.request_id, ()))
+                     for m in self._kvc_all_managers)
         super()._free_request_blocks(request)
         self.kvc_states.pop(request.request_id, None)
         self._kvc_started.pop(request.request_id, None)
@@ -165,12 +176,18 @@ class KVCompressScheduler(Scheduler):
             logger.info(
                 "kv_compress %s %s: prompt %d tokens, evicted %d in %d compression(s), freed %d blocks, "
                 "held %d blocks at the end%s", r.policy, request.request_id, r.prefill_len,
-                r.tokens_evicted, r.compressions, r.blocks_freed, held, " (preempted)" if preempted else "")
+                r.tokens_evicted, r.compressions, r.blocks_freed, sum(held), " (preempted)" if preempted else "")
 
     # ---------------------------------------------------------------- stats
 
     def kv_compress_stats(self) -> dict:
         return self.kvc_stats.snapshot(free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def _kind(spec) -> str:
+    """SlidingWindowSpec -> "sliding_window"."""
+    name = type(spec).__name__.removesuffix("Spec")
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
 
 
 def make_engine_stats(_original):

@@ -28,7 +28,7 @@ from ..kernels import get_ops
 from ..plan import BUDGETS_ATTR, PLAN_ATTR, Compaction, ReportedBudgets, StepPlan
 from ..planner import cdiv
 from ..sharding import ONE_DEVICE, HeadShard
-from .groups import group_of_layer, layer_index
+from .groups import CompressedLayers, layer_index
 from .metrics import SnapshotWriter
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
@@ -109,7 +109,9 @@ class StepObservation:
         and the rows of `output` are overwritten.
         """
         worker = self.worker
-        layer = worker.layer_of[layer_name]
+        layer = worker.layer_of.get(layer_name)
+        if layer is None:  # a sliding-window layer: not compressed
+            return
         group = worker.group_of_layer[layer]
         rows = output.view(output.shape[0], -1)
         key_view, value_view = worker.views(kv_cache)
@@ -121,7 +123,7 @@ class StepObservation:
             keys = worker.ops.gather_dense(key_view, block_ids, seq_len).to(torch.float32)
             values = worker.ops.gather_dense(value_view, block_ids, seq_len).to(torch.float32)
             for sl in _chunks(len(r.token_idx)):
-                logits = _causal_logits(query[r.token_idx[sl]], keys, q_phys[sl], worker.scale)  # [Hq, n, S]
+                logits = _causal_logits(query[r.token_idx[sl]], keys, q_phys[sl], worker.scales[layer])  # [Hq, n, S]
                 hq, n, _ = logits.shape
                 logits = logits.view(len(keys), -1, seq_len)  # [Hkv, G*n, S]: one bmm per KV head
                 logits.masked_fill_(dead.to(logits.device).unsqueeze(1), float("-inf"))
@@ -130,9 +132,11 @@ class StepObservation:
                 rows[r.token_idx[sl].to(rows.device)] = out.to(rows.dtype)
 
     def observe(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        start = time.perf_counter()
         worker = self.worker
-        layer = worker.layer_of[layer_name]
+        layer = worker.layer_of.get(layer_name)
+        if layer is None:  # a sliding-window layer: not compressed
+            return
+        start = time.perf_counter()
         group = worker.group_of_layer[layer]
         keys = worker.views(kv_cache)[0]
         batch = self._batch(group)
@@ -141,7 +145,7 @@ class StepObservation:
             q = query[batch.token_idx.to(query.device)]
             scores = worker.ops.window_scores_batched(
                 q, batch.cu_q_lens, keys, batch.block_tables, batch.seq_lens, batch.q_positions,
-                worker.scale, max_seq_len=batch.max_seq_len)
+                worker.scales[layer], max_seq_len=batch.max_seq_len)
             for i, r in enumerate(batch.requests):
                 r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
         for r in self.observed:
@@ -171,7 +175,7 @@ class StepObservation:
             scores = torch.zeros(rows, heads, seq_len, dtype=torch.float32, device=device)
             self.worker.ops.accumulate_decode_scores(
                 query[r.token_idx[sl].to(query.device)], keys, r.block_ids[group].to(device).expand(rows, -1),
-                (r.q_physical[group][sl] + 1).to(device), scores, self.worker.scale,
+                (r.q_physical[group][sl] + 1).to(device), scores, self.worker.scales[layer],
                 ("gumbel", noise.noise.to(device).transpose(0, 1), noise.tau), max_seq_len=seq_len)
             total += scores.sum(dim=0)
         r.state.accumulate(layer, total)
@@ -241,6 +245,21 @@ def check_layout(layer, views, ops, write, backend: str) -> None:
         )
 
 
+def check_scoring_exact(layer) -> None:
+    """Refuse attention the scoring ops would not reproduce.
+
+    Scores (and the per-head masked pass) are softmax(scale * q.k): a logit
+    soft cap (Gemma 2), ALiBi slopes or attention sinks (gpt-oss) change the
+    attention, so the scores would be of a different attention than the model's.
+    """
+    impl = layer.impl
+    for attr, what in (("logits_soft_cap", "an attention logit soft cap"), ("alibi_slopes", "ALiBi slopes"),
+                       ("sinks", "attention sinks")):
+        if getattr(impl, attr, None) not in (None, 0, 0.0):
+            raise RuntimeError(f"kv_compress cannot be served with {what} (layer {layer.layer_name}); "
+                               f"its scores would not be the model's attention")
+
+
 def tensor_parallel_shard() -> HeadShard:
     """This worker's heads among vLLM's tensor-parallel ranks (a slice of every layer's)."""
     from vllm.distributed import (
@@ -264,23 +283,31 @@ class WorkerCompression:
         self.runner = runner
         config = KVCompressConfig.from_dict(runner.vllm_config.additional_config[CONFIG_KEY])
         context = runner.compilation_config.static_forward_context
-        attn_layers = {name: m for name, m in context.items() if hasattr(m, "kv_cache") and hasattr(m, "impl")}
-        self.layer_of = {name: layer_index(name) for name in attn_layers}
-        order = sorted(attn_layers, key=self.layer_of.__getitem__)
-        if [self.layer_of[n] for n in order] != list(range(len(order))):
-            raise RuntimeError(f"kv_compress: unexpected attention layer names {order}")
-        self.layers = [attn_layers[n] for n in order]
+        attn_layers = {layer_index(name): m for name, m in context.items()
+                       if hasattr(m, "kv_cache") and hasattr(m, "impl")}
+        groups = runner.kv_cache_config.kv_cache_groups
+        # Only full-attention layers compress (a hybrid model's sliding-window
+        # layers run as in vLLM). "Layer" and "group" below count compressed
+        # ones; `vllm_groups` maps a group to vLLM's KV cache group id.
+        compressed = CompressedLayers.from_groups(groups)
+        if sorted(attn_layers) != list(range(len(attn_layers))) or not set(compressed.layers) <= set(attn_layers):
+            raise RuntimeError(f"kv_compress: unexpected attention layers {sorted(attn_layers)}")
+        self.layers = [attn_layers[i] for i in compressed.layers]
+        self.layer_of = {layer.layer_name: i for i, layer in enumerate(self.layers)}
         first = self.layers[0]
-        self.num_layers = len(order)
+        self.num_layers = len(self.layers)
         self.num_kv_heads = first.num_kv_heads  # this rank's (tensor parallelism splits heads)
         self.num_q_heads = first.num_heads
         self.shard = tensor_parallel_shard()
-        self.scale = first.impl.scale
-        groups = runner.kv_cache_config.kv_cache_groups
-        self.group_of_layer = group_of_layer(groups)
-        self.num_groups = len(groups)
-        self.block_size = groups[0].kv_cache_spec.block_size
-        for g in range(self.num_groups):
+        self.scales = [layer.impl.scale for layer in self.layers]
+        for layer in self.layers:
+            check_scoring_exact(layer)
+        self.group_of_layer = list(compressed.group_of_layer)
+        self.vllm_groups = compressed.vllm_groups
+        self.num_vllm_groups = compressed.num_vllm_groups
+        self.num_groups = len(self.vllm_groups)
+        self.block_size = groups[self.vllm_groups[0]].kv_cache_spec.block_size
+        for g in self.vllm_groups:
             table = runner.input_batch.block_table[g]
             if table.block_size != self.block_size:
                 raise RuntimeError(
@@ -334,7 +361,8 @@ class WorkerCompression:
         """Compact every layer of these requests to their KV cache groups' new
         lengths (one kernel op per layer for all of them); truncate each group's table."""
         states = [self.states[c.request_id] for c in compactions]
-        group_ids = [self.runner.requests[c.request_id].block_ids for c in compactions]
+        group_ids = [[self.runner.requests[c.request_id].block_ids[vg] for vg in self.vllm_groups]
+                     for c in compactions]
         for c, state in zip(compactions, states):
             for layer in range(self.num_layers):
                 if state.num_tokens(layer) != c.old_lengths[self.group_of_layer[layer]]:
@@ -367,7 +395,7 @@ class WorkerCompression:
             for g, new_len in enumerate(c.new_lengths):
                 del ids[g][cdiv(new_len, self.block_size):]
                 if row is not None:
-                    table = self.runner.input_batch.block_table[g]
+                    table = self.runner.input_batch.block_table[self.vllm_groups[g]]
                     table.clear_row(row)
                     table.add_row(ids[g], row)
 
@@ -381,23 +409,26 @@ class WorkerCompression:
         total = int(num_scheduled_tokens.sum())
         starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
         none = (0,) * self.num_groups
-        offsets = np.array([self.evicted.get(rid, none) for rid in req_ids], dtype=np.int64).reshape(num_reqs, -1)
+        evicted = np.array([self.evicted.get(rid, none) for rid in req_ids], dtype=np.int64).reshape(num_reqs, -1)
+        # Per vLLM KV cache group (a sliding-window group evicts nothing of ours).
+        offsets = np.zeros((num_reqs, self.num_vllm_groups), dtype=np.int64)
+        offsets[:, list(self.vllm_groups)] = evicted
         positions = runner.positions[:total]
         physical = [positions] * self.num_groups
         if offsets.any():
-            for g in range(self.num_groups):
-                if offsets[:, g].any():
-                    per_token = torch.from_numpy(np.repeat(offsets[:, g], num_scheduled_tokens))
+            for g, vg in enumerate(self.vllm_groups):
+                if offsets[:, vg].any():
+                    per_token = torch.from_numpy(np.repeat(offsets[:, vg], num_scheduled_tokens))
                     physical[g] = positions - per_token.to(positions.device)
-                    batch.block_table[g].compute_slot_mapping(
+                    batch.block_table[vg].compute_slot_mapping(
                         num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], physical[g])
-            # seq_lens are shared by all groups' metadata: group 0's lengths here,
-            # the other groups' differences applied when their metadata is built.
+            # seq_lens are shared by all groups' metadata: vLLM group 0's lengths
+            # here, the other groups' differences applied when their metadata is built.
             off = torch.from_numpy(offsets[:, 0]).to(torch.int32)
             runner.seq_lens[:num_reqs] -= off.to(runner.seq_lens.device, runner.seq_lens.dtype)
             runner.optimistic_seq_lens_cpu[:num_reqs] -= off.to(runner.optimistic_seq_lens_cpu.dtype)
             deltas = {g: torch.from_numpy(offsets[:, g] - offsets[:, 0]).to(torch.int32)
-                      for g in range(1, self.num_groups) if (offsets[:, g] != offsets[:, 0]).any()}
+                      for g in range(1, self.num_vllm_groups) if (offsets[:, g] != offsets[:, 0]).any()}
             set_group_seq_len_deltas(deltas or None)
         step = StepObservation(self)
         for i, rid in enumerate(req_ids):
@@ -420,7 +451,8 @@ class WorkerCompression:
             request_id=rid, state=state, token_idx=torch.arange(sl.start, sl.stop)[mask], q_logical=q_log[mask],
             q_physical=[p[sl].cpu()[mask] for p in physical],
             seq_lens=[int(p[sl.stop - 1]) + 1 for p in physical],
-            block_ids=[torch.tensor(b, dtype=torch.int64) for b in self.runner.requests[rid].block_ids],
+            block_ids=[torch.tensor(self.runner.requests[rid].block_ids[vg], dtype=torch.int64)
+                       for vg in self.vllm_groups],
         )
 
 

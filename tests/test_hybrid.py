@@ -1,0 +1,141 @@
+"""Hybrid models: sliding-window layers beside full-attention ones (Gemma 2/3 style).
+
+The tiny random Gemma 3 has 6 layers, sliding-window (64) and full attention
+interleaved (s, s, f, s, s, f). Only the full-attention layers compress; vLLM's
+own sliding-window manager keeps the others. The reference decoder runs the
+same model in plain torch (sliding layers masked by logical distance, never
+compacted), so greedy tokens must match for every policy, and the sliding
+groups must hold exactly the blocks they hold without compression.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import BLOCK_SIZE, engine_kwargs, random_prompts
+from vllm_kvcompress.config import KVCompressConfig
+from vllm_kvcompress.planner import cdiv
+from vllm_kvcompress.registry import POLICIES
+
+NEW_TOKENS = 40
+WINDOW = 64
+FULL_LAYERS = 2
+PER_LAYER_ALLOCATIONS = ("pyramid", "adaptive")
+POLICY_NAMES = sorted(name for name, c in POLICIES.items()
+                      if name != "none" and c.allocation not in PER_LAYER_ALLOCATIONS)
+
+
+@pytest.fixture(scope="module")
+def gemma_model() -> str:
+    from kvc_tools.models import build_tiny_gemma3, default_cache_root
+
+    return str(build_tiny_gemma3(default_cache_root() / "models" / "tiny-gemma3-seed0", seed=0,
+                                 sliding_window=WINDOW))
+
+
+@pytest.fixture(scope="module")
+def engine(start_engine, gemma_model):
+    return start_engine(**engine_kwargs(gemma_model, kv_compress="none"))
+
+
+@pytest.fixture(scope="module")
+def reference(gemma_model):
+    from vllm_kvcompress.reference import ReferenceDecoder
+
+    return ReferenceDecoder(gemma_model)
+
+
+def check(engine, reference, prompts, configs, layer_groups: int = 1):
+    got = engine.generate(prompts, NEW_TOKENS, configs)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict({**config, "layer_groups": layer_groups}) if config else None
+        want = reference.generate(prompt, NEW_TOKENS, cfg, block_size=BLOCK_SIZE)["tokens"]
+        assert tokens == want, f"{config} prompt {len(prompt)}"
+
+
+def group_kinds(engine) -> list[str]:
+    """vLLM's KV cache groups in order, as the stats name them."""
+    return engine.stats()["kv_cache_groups"]
+
+
+def test_only_full_attention_groups_compress(engine):
+    kinds = group_kinds(engine)
+    assert sorted(kinds) == ["compressed", "sliding_window", "sliding_window"], kinds
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_policy_matches_reference(engine, reference, policy):
+    prompts = random_prompts((210, 97, 160, 260), seed=100 + POLICY_NAMES.index(policy))
+    configs = [
+        {"policy": policy, "budget": 64},
+        None,  # uncompressed, in the same batch
+        {"policy": policy, "compression_ratio": 0.5},
+        {"policy": policy, "budget": 48},
+    ]
+    before = engine.stats()["tokens_evicted"]
+    check(engine, reference, prompts, configs)
+    assert engine.stats()["tokens_evicted"] > before
+
+
+def test_selection_and_streaming_match_reference(engine, reference):
+    prompts = random_prompts((230, 190, 260), seed=7)
+    configs = [
+        {"policy": "snapkv", "budget": 64, "window": 8, "selection": "span", "span": 8},
+        {"policy": "h2o", "budget": 48, "selection": "chunk", "chunk_length": 10},
+        {"policy": "streamingllm", "budget": 48, "prompt_chunk": 40},
+    ]
+    check(engine, reference, prompts, configs)
+
+
+def test_sliding_window_groups_hold_what_vanilla_holds(engine):
+    """Per KV cache group, blocks held when the request ends: the sliding-window
+    groups hold exactly what they hold uncompressed (vLLM's own manager drops
+    what leaves the window), the full-attention group only its budget."""
+    prompt = random_prompts((300,), seed=11)
+    budget = 64
+    engine.generate(prompt, NEW_TOKENS, [{"policy": "snapkv", "budget": budget}])
+    engine.generate(prompt, NEW_TOKENS)
+    finished = [r for r in engine.stats()["requests"].values() if r["finished"] and r["prefill_len"] == 300]
+    compressed, plain = finished[-2], finished[-1]
+    full = group_kinds(engine).index("compressed")
+    total = 300 + NEW_TOKENS - 1  # tokens whose KV was written
+    for g, (c, p) in enumerate(zip(compressed["blocks_held_per_group"], plain["blocks_held_per_group"])):
+        if g == full:
+            assert p == cdiv(total, BLOCK_SIZE)
+            assert c == cdiv(budget + NEW_TOKENS - 1, BLOCK_SIZE)
+        else:
+            assert c == p
+            assert c <= cdiv(WINDOW, BLOCK_SIZE) + 1  # the window's blocks, not the sequence's
+
+
+def test_budget_above_need_equals_vanilla(engine, start_engine, gemma_model):
+    """A budget no request reaches leaves vLLM's output unchanged (vanilla: no plugin config)."""
+    prompts = random_prompts((120, 45, 200), seed=5)
+    roomy = [{"policy": p, "budget": len(q) + NEW_TOKENS + 32} for p, q in zip(("snapkv", "h2o", "tova"), prompts)]
+    ours = engine.generate(prompts, NEW_TOKENS, roomy)
+    plain = engine.generate(prompts, NEW_TOKENS)
+    vanilla = start_engine(**engine_kwargs(gemma_model)).generate(prompts, NEW_TOKENS)
+    assert ours == plain == vanilla
+
+
+@pytest.fixture(scope="module")
+def per_layer(start_engine, gemma_model):
+    return start_engine(**engine_kwargs(gemma_model, kv_compress="none", kv_compress_layer_groups=FULL_LAYERS))
+
+
+def test_per_layer_groups_match_reference(per_layer, reference):
+    """One KV cache group per full-attention layer (the sliding layers regrouped
+    beside them): per-layer and per-head budgets free each layer's own blocks."""
+    assert group_kinds(per_layer).count("compressed") == FULL_LAYERS
+    prompts = random_prompts((300, 230, 120, 260, 180), seed=13)
+    configs = [
+        {"policy": "pyramidkv", "budget": 96, "window": 16},
+        {"policy": "adaptive", "budget": 64, "window": 16},
+        None,
+        {"policy": "adakv", "budget": 48, "window": 8},
+        {"policy": "snapkv", "budget": 64, "window": 16},
+    ]
+    check(per_layer, reference, prompts, configs, layer_groups=FULL_LAYERS)
+    finished = {r["prefill_len"]: r for r in per_layer.stats()["requests"].values() if r["finished"]}
+    pyramid = finished[300]["tokens_kept_per_group"]
+    assert len(pyramid) == FULL_LAYERS and pyramid[0] != pyramid[1], "pyramid keeps layers apart"
