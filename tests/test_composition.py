@@ -38,8 +38,10 @@ SCORER_PARAMS = {
     "keyformer": {"window": 8},
     "streamingllm": {"sink_tokens": 4},
     "random": {"window": 4, "seed": 3},
+    "rkv": {"window": 4, "kernel_size": 3, "mix_lambda": 0.5, "threshold": 0.3},
 }
-ATTENTION_SCORERS = {"snapkv", "h2o", "tova", "keyformer"}
+ATTENTION_SCORERS = {"snapkv", "h2o", "tova", "keyformer", "rkv"}
+KEY_DIM = 4  # synthetic cached keys, for R-KV's redundancy
 SPAN, CHUNK_LENGTH = 5, 6
 
 
@@ -59,6 +61,8 @@ def refusal(scorer: str, allocation: str, trigger: str, selection: str) -> str |
     """The field a combination that cannot be served is refused on (None: served)."""
     if allocation in ("adaptive", "per_head") and scorer not in ATTENTION_SCORERS:
         return "allocation"  # budgets from attention, and the scorer observes none
+    if allocation == "per_head" and scorer == "rkv":
+        return "allocation"  # head budgets are derived before the keys are read
     if allocation == "per_head" and scorer == "tova":
         return "allocation"  # TOVA scores every head alike: one selection per layer
     if allocation == "per_head" and trigger != "once":
@@ -67,6 +71,10 @@ def refusal(scorer: str, allocation: str, trigger: str, selection: str) -> str |
         return "selection"  # chunk ranks are per head; per-head budgets compare heads
     if trigger == "streamed" and scorer in ATTENTION_SCORERS:
         return "trigger"  # a later prompt query could change the choice
+    if trigger == "decode" and scorer == "snapkv":
+        return "trigger"  # it observes only prompt queries, and the prompt is kept whole
+    if trigger == "decode" and allocation == "adaptive":
+        return "allocation"  # budgets from the prompt's attention, and the prompt is kept whole
     return None
 
 
@@ -91,12 +99,37 @@ def attention_row(step: int, q_head: int, position: int) -> float:
     return (math.sin(step * 12.9898 + q_head * 78.233 + position * 37.719) * 43758.5453 % 1.0) ** 3
 
 
+def key_vector(layer: int, kv_head: int, position: int) -> list[float]:
+    """Synthetic cached key of a token (R-KV reads keys): fixed per (layer, head, position)."""
+    return [math.sin(layer * 3.1 + kv_head * 7.7 + position * (0.37 + 0.11 * d) + d) for d in range(KEY_DIM)]
+
+
+def naive_redundancy(layer: int, kv_head: int, candidates: list[int], threshold: float) -> dict[int, float]:
+    """R-KV: per candidate, softmax over candidates of the mean cosine similarity to
+    the others, each token's most recent near-duplicate forgotten."""
+    unit = {}
+    for p in candidates:
+        k = key_vector(layer, kv_head, p)
+        norm = math.sqrt(sum(x * x for x in k)) + 1e-8
+        unit[p] = [x / norm for x in k]
+    sim = {(i, j): 0.0 if i == j else sum(a * b for a, b in zip(unit[i], unit[j]))
+           for i in candidates for j in candidates}
+    for i in candidates:
+        duplicates = [j for j in candidates if sim[i, j] > threshold]
+        if duplicates:
+            sim[i, max(duplicates)] = 0.0
+    mean = {j: sum(sim[i, j] for i in candidates) / len(candidates) for j in candidates}
+    top = max(mean.values())
+    total = sum(math.exp(v - top) for v in mean.values())
+    return {j: math.exp(v - top) / total for j, v in mean.items()}
+
+
 def group_mean(values: list[list[float]]) -> list[float]:
     return [sum(v[i] for v in values) / len(values) for i in range(len(values[0]))]
 
 
 def naive_scores(scorer: str, kv_head: int, layer: int, positions: list[int], attention: dict,
-                 num_compressions: int) -> list[float]:
+                 num_compressions: int, protected_len: int = 0) -> list[float]:
     """methods.md's score of each cached token of one KV head (positions in cache order)."""
     params = SCORER_PARAMS[scorer]
     if scorer == "streamingllm":
@@ -112,6 +145,14 @@ def naive_scores(scorer: str, kv_head: int, layer: int, positions: list[int], at
         pooled = [sum(scores[j] for j in range(i - k // 2, i + k // 2 + 1) if 0 <= j < prefix) / k
                   for i in range(prefix)]
         scores = pooled + scores[prefix:]
+    if scorer == "rkv":  # lambda * (window mean, max-pooled before the window) - (1 - lambda) * redundancy
+        k, prefix, lam = params["kernel_size"], len(positions) - params["window"], params["mix_lambda"]
+        mean = [s / params["window"] for s in scores]
+        pooled = [max(mean[j] for j in range(i - k // 2, i + k // 2 + 1) if 0 <= j < prefix) for i in range(prefix)]
+        importance = pooled + mean[prefix:]
+        candidates = [p for p in positions if p >= protected_len]
+        redundancy = naive_redundancy(layer, kv_head, candidates, params["threshold"]) if candidates else {}
+        scores = [lam * imp - (1 - lam) * redundancy.get(p, 0.0) for imp, p in zip(importance, positions)]
     return scores
 
 
@@ -124,10 +165,14 @@ def naive_protected(scorer: str, budget: int) -> tuple[int, int]:
     return 0, params.get("window", 0)
 
 
-def naive_ranked(scorer, selection, kv_head, layer, positions, attention, num_compressions, budget) -> list[float]:
-    """What the top-k ranks, for `positions` in logical order: protected tokens first (inf)."""
-    scores = naive_scores(scorer, kv_head, layer, positions, attention, num_compressions)
+def naive_ranked(scorer, selection, kv_head, layer, positions, attention, num_compressions, budget,
+                 protected_len: int = 0) -> list[float]:
+    """What the top-k ranks, for `positions` in logical order: protected tokens first (inf).
+
+    `budget` counts the tokens after the protected start (`protected_len`)."""
+    scores = naive_scores(scorer, kv_head, layer, positions, attention, num_compressions, protected_len)
     sinks, recent = naive_protected(scorer, budget)
+    sinks = max(sinks, protected_len)
     newest = sorted(positions)[-recent:] if recent else []
     protected = [p < sinks or p in newest for p in positions]
     if selection == "span":  # the largest unprotected score among a token and the SPAN - 1 before it
@@ -164,14 +209,16 @@ def min_budget(scorer: str) -> int:
     return max(params.get("window", 0), 1)
 
 
-def naive_layer_keeps(allocation: str, scorer: str, attention_per_layer: list[dict], positions) -> list[int]:
-    """Tokens each layer keeps at the first compression of the prompt."""
+def naive_layer_keeps(allocation: str, scorer: str, attention_per_layer: list[dict], positions,
+                      compressible: int | None = PROMPT) -> list[int]:
+    """Tokens each layer keeps beyond the protected start (`compressible`: the
+    prompt tokens that may be compressed; None: the prompt is kept whole)."""
     w = min_budget(scorer)
     if allocation == "pyramid":  # KVCache-Factory, beta 20
         lo = (BUDGET - w) // 20
         hi = 2 * (BUDGET - w) - lo
-        if hi >= PROMPT - w:
-            hi, lo = PROMPT - w, 2 * (BUDGET - w) - (PROMPT - w)
+        if compressible is not None and hi >= compressible - w:
+            hi, lo = compressible - w, 2 * (BUDGET - w) - (compressible - w)
         step = (hi - lo) // (NUM_LAYERS - 1)
         return [hi - layer * step + w for layer in range(NUM_LAYERS)]
     if allocation == "adaptive":  # tokens holding 90% of each query head's attention, averaged
@@ -231,11 +278,33 @@ def expected_schedule(trigger: str, budgets: list[int]) -> list[int]:
 @pytest.mark.parametrize("scorer, allocation, trigger, selection",
                          [c for c in COMBINATIONS if refusal(*c) is None])
 def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger, selection):
+    drive(scorer, allocation, trigger, selection)
+
+
+CACHED = 40  # prompt tokens served from the prefix cache: the protected start
+
+
+@pytest.mark.parametrize("scorer, allocation, trigger, selection", [
+    ("snapkv", "uniform", "once", "top"), ("snapkv", "pyramid", "once", "span"),
+    ("h2o", "uniform", "rolling", "chunk"), ("tova", "adaptive", "rolling", "top"),
+    ("streamingllm", "uniform", "streamed", "top"), ("rkv", "uniform", "rolling", "top"),
+    ("keyformer", "uniform", "decode", "top"),
+])
+def test_prefix_cache_hits_are_a_protected_start(scorer, allocation, trigger, selection):
+    """Prompt tokens served from the prefix cache are kept whatever their score,
+    budgets count the tokens after them, and their queries are not observed."""
+    drive(scorer, allocation, trigger, selection, cached_len=CACHED)
+
+
+def drive(scorer: str, allocation: str, trigger: str, selection: str, cached_len: int = 0) -> None:
     config = KVCompressConfig.from_dict(config_for(scorer, allocation, trigger, selection))
-    plan = resolve_plan(config, PROMPT, NUM_LAYERS, BLOCK)
+    plan = resolve_plan(config, PROMPT, NUM_LAYERS, BLOCK, cached_len=cached_len)
     state = RequestState.create(plan, layer_groups(NUM_LAYERS, NUM_LAYERS))
     rc = RequestCompression(plan, NUM_LAYERS, HKV, HQ)
     observe = scorer in ATTENTION_SCORERS
+    protected_len = PROMPT if trigger == "decode" else cached_len  # the prompt is kept whole
+    assert plan.protected_len == protected_len
+    observed_at: list[int] = []
     # The naive side's own view: per layer and KV head, the cached positions
     # (a set) and the attention accumulated per (query head, position).
     cached = [[set() for _ in range(HKV)] for _ in range(NUM_LAYERS)]
@@ -254,6 +323,7 @@ def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger
             return
         for q_pos in [p for p, m in zip(positions, mask.tolist()) if m]:
             step += 1
+            observed_at.append(q_pos)
             for layer in range(NUM_LAYERS):
                 order = rc.positions(layer)  # [Hkv, T]: the cache order the engine scores in
                 row = torch.tensor([[attention_row(step + 1000 * layer, q, int(p)) if p <= q_pos else 0.0
@@ -274,8 +344,10 @@ def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger
         compressed_at.append(logical)
         per_head_counts = None
         for layer in range(NUM_LAYERS):
-            keep = rc.select(layer, targets[layer])
-            got = rc.positions(layer).gather(1, keep)
+            order = rc.positions(layer)
+            keys = torch.tensor([[key_vector(layer, h, int(p)) for p in order[h]] for h in range(HKV)])
+            keep = rc.select(layer, targets[layer], keys)
+            got = order.gather(1, keep)
             dead = rc._dead_after.get(layer)
             if allocation == "per_head":
                 ranked_heads = [naive_ranked(scorer, selection, g, layer, sorted(cached[layer][g]),
@@ -288,12 +360,14 @@ def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger
                     assert_top(set(live.tolist()), ranked_heads[h], positions, per_head_counts[h], (layer, h))
                 else:
                     ranked = naive_ranked(scorer, selection, h, layer, positions, attention[layer],
-                                          rc.num_compressions, targets[layer])
+                                          rc.num_compressions, targets[layer] - protected_len, protected_len)
                     assert_top(set(got[h].tolist()), ranked, positions, targets[layer], (layer, h, logical))
                 cached[layer][h] = set(got[h].tolist())
             rc.compact(layer, keep)
             for key in [k for k in attention[layer] if k[1] not in cached[layer][k[0] // GROUP]]:
                 del attention[layer][key]
+            if scorer == "rkv":  # the next observation window starts afresh
+                attention[layer] = {}
         if per_head_counts is not None:
             assert max(per_head_counts) <= targets[-1]
         rc.finish_compaction()
@@ -311,7 +385,9 @@ def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger
             assert list(reported) == naive_layer_keeps(allocation, scorer, attention, list(range(PROMPT)))
         state.set_layer_budgets(reported)
     elif observe or allocation == "pyramid":
-        assert list(state.budgets) == naive_layer_keeps(allocation, scorer, attention, list(range(PROMPT)))
+        keeps = naive_layer_keeps(allocation, scorer, attention, list(range(PROMPT)),
+                                  None if trigger == "decode" else PROMPT - protected_len)
+        assert list(state.budgets) == [protected_len + k for k in keeps]
     budgets = list(state.budgets)
     while logical < PROMPT + DECODE:
         compress_if_due()
@@ -319,3 +395,9 @@ def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger
         logical += 1
     assert compressed_at == expected_schedule(trigger, budgets)
     assert compressed_at, "the request was compressed"
+    assert all(p >= protected_len for p in observed_at), "queries of the protected start are not observed"
+    if scorer == "rkv":  # R-KV's window: the last `window` queries before each compression
+        window = SCORER_PARAMS["rkv"]["window"]
+        for at in compressed_at:
+            assert set(range(max(at - window, protected_len), at)) <= set(observed_at), at
+        assert len(observed_at) <= window * (len(compressed_at) + 1)

@@ -49,6 +49,9 @@ def test_policy_matches_reference(engine, reference, policy):
         None,
         {"policy": policy, "budget": 96},
     ]
+    if POLICIES[policy].trigger == "decode":  # the prompt stays whole: budgets of generated tokens
+        configs = [{"policy": policy, "budget": 16, "interval": 8}, {"policy": policy, "budget": 8, "interval": 4},
+                   {"policy": policy, "budget": 12, "interval": 16}, None, {"policy": policy, "budget": 24}]
     before = engine.stats()
     got = engine.generate(prompts, NEW_TOKENS, configs)
     after = engine.stats()
@@ -76,6 +79,25 @@ def test_selection_modifiers_match_reference(engine, reference, modifier):
     kept = [reference.generate(prompts[0], 2, KVCompressConfig.from_dict(c), block_size=32)["kept_positions"][0]
             for c in (configs[0], configs[3])]
     assert not torch.equal(kept[0], kept[1]), "the modifier changes what is kept"
+
+
+def test_decode_trigger_matches_reference(engine, reference):
+    """Any scorer that observes decode queries (or none) under trigger 'decode':
+    the prompt stays whole, generated tokens roll within their budget."""
+    prompts = random_prompts((150, 90, 200, 60), seed=43)
+    configs = [
+        {"policy": "h2o", "trigger": "decode", "budget": 16, "interval": 8},
+        {"policy": "tova", "trigger": "decode", "budget": 12, "interval": 4},
+        {"policy": "streamingllm", "trigger": "decode", "budget": 10, "interval": 8},
+        {"policy": "keyformer", "trigger": "decode", "budget": 16, "interval": 8, "window": 4},
+    ]
+    got = engine.generate(prompts, NEW_TOKENS, configs)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=32)
+        assert tokens == want["tokens"], f"{config} prompt {len(prompt)}"
+        assert want["compressed_at"], "generated tokens were evicted"
+        kept = want["kept_positions"][0]
+        assert bool((kept[:, : len(prompt)] == torch.arange(len(prompt))).all()), "the prompt stays whole"
 
 
 @pytest.mark.parametrize("policy", ["streamingllm", "window"])

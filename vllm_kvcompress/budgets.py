@@ -36,8 +36,12 @@ class Allocation:
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
 
-    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int, min_budget: int) -> list[int]:
-        """Tokens each layer keeps, known before the prompt runs."""
+    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int | None, min_budget: int) -> list[int]:
+        """Tokens each layer keeps, known before the prompt runs.
+
+        `prompt_len`: the prompt tokens that may be compressed (None: no
+        bound, when only generated tokens are).
+        """
         return [budget] * num_layers
 
     def attention_budgets(self, attention: list[torch.Tensor], budget: int, min_budget: int) -> list[int]:
@@ -65,13 +69,13 @@ class Pyramid(Allocation):
         if self.beta < 1:
             raise ValueError(f"beta must be >= 1, got {self.beta}")
 
-    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int, min_budget: int) -> list[int]:
+    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int | None, min_budget: int) -> list[int]:
         # KVCache-Factory's schedule (methods.md), with the scorer's protected
         # tokens as the window: same mean as `budget`.
         w = min_budget
         min_b = (budget - w) // self.beta
         max_b = 2 * (budget - w) - min_b
-        if max_b >= prompt_len - w:  # short prompt: the bottom layer keeps it all
+        if prompt_len is not None and max_b >= prompt_len - w:  # short prompt: the bottom layer keeps it all
             max_b = prompt_len - w
             min_b = 2 * (budget - w) - max_b
         step = (max_b - min_b) // (num_layers - 1) if num_layers > 1 else 0

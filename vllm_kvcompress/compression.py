@@ -32,6 +32,10 @@ class RequestCompression:
         self.num_kv_heads = num_kv_heads
         self.group = num_q_heads // num_kv_heads
         self.num_compressions = 0
+        # Logical length (tokens appended) and, for Observe.RECENT, where the
+        # next compression is due: the planner's rule for a uniform budget.
+        self.logical_len = 0
+        self._next_due = self._first_due()
         # Positions per layer = what the last compaction kept ([Hkv, n], per
         # head) + the tokens appended since, one contiguous logical range shared
         # by every layer and head: appending costs O(1) per step.
@@ -60,15 +64,27 @@ class RequestCompression:
         mode = self.scorer.observe
         if not self.needs_attention:
             return torch.zeros_like(q_positions, dtype=torch.bool)
+        # Queries in the protected start attend only protected keys: nothing to
+        # learn from them (and the engine never computes prefix-cache hits).
+        unprotected = q_positions >= self.plan.protected_len
         if mode is Observe.WINDOW:
             prompt_len = self.plan.prompt_len
             start = prompt_len - self.scorer.window_queries()
-            return (q_positions >= start) & (q_positions < prompt_len)
+            return (q_positions >= start) & (q_positions < prompt_len) & unprotected
+        if mode is Observe.RECENT:
+            start = self._next_due - self.scorer.window_queries()
+            return (q_positions >= start) & (q_positions < self._next_due) & unprotected
         if mode is Observe.LAST:
             mask = torch.zeros_like(q_positions, dtype=torch.bool)
             mask[-1] = True
-            return mask
-        return torch.ones_like(q_positions, dtype=torch.bool)
+            return mask & unprotected
+        return unprotected
+
+    def _first_due(self, layer_budgets=None) -> int:
+        """Logical length at which the first compression happens: the planner's
+        rule, decided by the layer that overflows first."""
+        held = self.plan.protected_len + min(layer_budgets or self.plan.layer_budgets)
+        return self.plan.prompt_len if self.plan.prompt_len > held else held + self.plan.interval
 
     def append(self, q_positions: torch.Tensor) -> None:
         """New tokens entered the cache (same positions in every layer/head)."""
@@ -79,6 +95,7 @@ class RequestCompression:
             expected = self._tail_start + self._tail_len
             raise RuntimeError(f"kv_compress: non-contiguous positions {first} after {expected}")
         self._tail_len += n
+        self.logical_len = first + n
 
     def num_tokens(self, layer: int) -> int:
         return self._kept[layer].shape[-1] + self._tail_len
@@ -142,7 +159,10 @@ class RequestCompression:
         # Every rank's query heads: all ranks derive the same budgets.
         attention = [self.shard.all_heads(a if a is not None else torch.zeros(self.num_q_heads, 0))
                      for a in self.attention]
-        return tuple(self.plan.allocation.attention_budgets(attention, self.plan.budget, self.scorer.min_budget()))
+        budgets = tuple(self.plan.allocation.attention_budgets(attention, self.plan.budget, self.scorer.min_budget()))
+        if self.num_compressions == 0:
+            self._next_due = self._first_due(budgets)
+        return budgets
 
     def dead_slots(self, layer: int, num_slots: int) -> torch.Tensor | None:
         """[Hkv, num_slots] True where a head must not attend (None: nowhere)."""
@@ -153,42 +173,52 @@ class RequestCompression:
 
     # ------------------------------------------------------------ compacting
 
-    def select(self, layer: int, keep: int) -> torch.Tensor:
+    def select(self, layer: int, keep: int, keys: torch.Tensor | None = None) -> torch.Tensor:
         """[Hkv, keep] physical indices this layer keeps per head (hole-filling order).
 
-        A scorer that is the same in every layer returns the same tensor for
-        every layer of one compaction (callers reuse what they derive from it).
+        `keys` [Hkv, T, D]: the layer's cached keys, for scorers that
+        `needs_keys`. A scorer that is the same in every layer returns the
+        same tensor for every layer of one compaction (callers reuse what they
+        derive from it).
         """
         if self.scorer.same_in_every_layer and not self.plan.allocation.per_head:
             key = (self.num_compressions, keep)
             if self._shared_selection[0] != key:
-                self._shared_selection = (key, self._select(layer, keep))
+                self._shared_selection = (key, self._select(layer, keep, keys))
             return self._shared_selection[1]
-        return self._select(layer, keep)
+        return self._select(layer, keep, keys)
 
-    def _select(self, layer: int, keep: int) -> torch.Tensor:
+    def _protected(self, keep: int) -> tuple[int, int]:
+        """The scorer's (sinks, recent) at this length; the protected start counts as sinks."""
+        sinks, recent = self.scorer.protected(keep - self.plan.protected_len)
+        return max(sinks, self.plan.protected_len), recent
+
+    def _select(self, layer: int, keep: int, keys: torch.Tensor | None) -> torch.Tensor:
         if self.plan.allocation.per_head:
-            ranked, counts, _ = self._ranked_counts(layer)
+            ranked, counts, _ = self._ranked_counts(layer, keys)
             keep_idx, dead = select_keep_per_head(ranked, counts, keep)
             self._dead_after[layer] = dead if dead.any() else None
             return keep_idx
-        scores, positions = self._scores(layer)
-        sinks, recent = self.scorer.protected(keep)
+        scores, positions = self._scores(layer, keys)
+        sinks, recent = self._protected(keep)
         return select_keep(scores, positions, keep, sinks, recent, self.plan.selection)
 
-    def _ranked_counts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _ranked_counts(self, layer: int, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Per-head budgets: this worker's ranked scores [Hkv, T], the tokens
         each of its heads keeps, and the layer's fullest head over all ranks."""
-        scores, positions = self._scores(layer)
+        scores, positions = self._scores(layer, keys)
         budget = self.plan.budget
         sinks, recent = self.scorer.protected(budget)
+        sinks = max(sinks, self.plan.protected_len)
         ranked = rank_scores(scores, positions, sinks, recent, self.plan.selection)
         # One top-k over the layer's heads: the other ranks' heads take part.
         counts = self.plan.allocation.head_counts(self.shard.all_heads(ranked), budget)
         return ranked, self.shard.mine(counts, self.num_kv_heads), int(counts.max())
 
-    def _scores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scores(self, layer: int, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self.positions(layer)
+        if self.scorer.needs_keys and keys is None:
+            raise RuntimeError(f"kv_compress: scorer {self.scorer.name} needs the cached keys of layer {layer}")
         acc = self.attention[layer]
         if acc is not None:
             acc = _pad_tokens(acc, positions.shape[-1])
@@ -199,6 +229,8 @@ class RequestCompression:
             layer=layer,
             num_compressions=self.num_compressions,
             shard=self.shard,
+            keys=None if keys is None else keys.to("cpu", torch.float32),
+            protected_len=self.plan.protected_len,
         )
         return self.scorer.score(obs), positions
 
@@ -216,8 +248,10 @@ class RequestCompression:
         """All layers are compacted: the appended tail now lives in `_kept`."""
         self._tail_len = 0
         self.num_compressions += 1
-        if not self.plan.trigger.rolling:
-            self.attention = [None] * self.num_layers  # never needed again
+        self._next_due = self.logical_len + self.plan.interval
+        if not self.plan.trigger.rolling or self.scorer.observe is Observe.RECENT:
+            # Never needed again (once), or the next window starts afresh (recent).
+            self.attention = [None] * self.num_layers
 
 
 def _pad_tokens(acc: torch.Tensor, num_tokens: int) -> torch.Tensor:

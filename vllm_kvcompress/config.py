@@ -254,6 +254,10 @@ class KVCompressConfig:
         if allocation.per_head and scorer.same_for_every_head:
             raise _fail("allocation", f"'per_head' gives KV heads different budgets by their scores; scorer "
                                       f"{scorer.name!r} scores every head of a layer alike (one selection per layer)")
+        if allocation.per_head and scorer.needs_keys:
+            raise _fail("allocation", f"'per_head' derives head budgets while the prompt is observed, and scorer "
+                                      f"{scorer.name!r} reads the cached keys only when it compresses; valid with "
+                                      f"it: ['pyramid', 'uniform', 'adaptive']")
         if allocation.per_head and trigger.rolling:
             raise _fail("trigger", f"allocation 'per_head' compresses once (per-head masks are not re-derived "
                                    f"while rolling); use trigger 'once', not {trigger.name!r}")
@@ -264,6 +268,18 @@ class KVCompressConfig:
             raise _fail("trigger", f"'streamed' evicts mid-prompt, which only scorers that observe no attention "
                                    f"can do (streamingllm, window, random); scorer {scorer.name!r} observes "
                                    f"{scorer.observe.value} queries")
+        if trigger.keeps_prompt:
+            if scorer.observe is Observe.WINDOW:
+                raise _fail("trigger", f"'decode' compresses generated tokens only, and scorer {scorer.name!r} "
+                                       f"observes only the prompt's last queries; valid with it: scorers that "
+                                       f"observe decode queries or none (h2o, tova, keyformer, rkv, "
+                                       f"streamingllm, random)")
+            if allocation.from_attention:
+                raise _fail("allocation", f"{allocation.name!r} shares the budget by the prompt's attention, which "
+                                          f"trigger 'decode' never compresses; valid with it: ['pyramid', 'uniform']")
+            if self.compression_ratio is not None:
+                raise _fail("compression_ratio", "trigger 'decode' keeps the prompt whole; give budget, the "
+                                                 "generated tokens kept")
         if (self.budget is None) == (self.compression_ratio is None):
             raise _fail(
                 "budget",

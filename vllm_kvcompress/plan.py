@@ -31,33 +31,46 @@ class CompressionPlan:
     trigger: Trigger
     selection: Selection
     prompt_len: int  # tokens prefilled before decoding (a resumed request's outputs included)
-    budget: int  # mean tokens kept per layer and KV head
+    budget: int  # mean tokens kept per layer and KV head, after the protected start
     # Per layer, known at admission; for allocations from attention these
     # stand in (uniform) until the worker reports the real ones.
     layer_budgets: tuple[int, ...]
     interval: int  # rolling triggers evict again after this many new tokens
+    # The protected start: tokens at logical positions below it are never
+    # evicted, and the budgets count the tokens after it. The prompt's tokens
+    # served from vLLM's prefix cache (their blocks may be shared, so they are
+    # never rewritten), or the whole prompt under a trigger that keeps it.
+    protected_len: int = 0
 
     @property
     def compresses_prompt(self) -> bool:
         """Whether the prompt outgrows its budget (a prompt within budget is never compressed)."""
-        return self.prompt_len > self.budget
+        return self.prompt_len > self.protected_len + self.budget
 
 
-def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, block_size: int) -> CompressionPlan | None:
-    """The plan of a request with this config and prompt; None when compression is off."""
+def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, block_size: int,
+                 cached_len: int = 0) -> CompressionPlan | None:
+    """The plan of a request with this config and prompt; None when compression is off.
+
+    `cached_len`: leading prompt tokens vLLM's prefix cache served (protected).
+    """
     parts = config.components()
     if parts is None:
         return None
+    protected = max(cached_len, prompt_len if parts.trigger.keeps_prompt else 0)
     min_budget = parts.scorer.min_budget()
-    budget = config.resolve_budget(prompt_len, min_budget)
+    # A compression_ratio applies to the part of the prompt that may be compressed.
+    compressible = None if parts.trigger.keeps_prompt else prompt_len - protected
+    budget = config.resolve_budget(prompt_len - protected, min_budget)
     if parts.allocation.from_attention:
         layer_budgets = [budget] * num_layers
     else:
-        layer_budgets = parts.allocation.layer_budgets(budget, num_layers, prompt_len, min_budget)
+        layer_budgets = parts.allocation.layer_budgets(budget, num_layers, compressible, min_budget)
     return CompressionPlan(
         scorer=parts.scorer, allocation=parts.allocation, trigger=parts.trigger, selection=parts.selection,
         prompt_len=prompt_len,
         budget=budget, layer_budgets=tuple(layer_budgets), interval=config.interval or block_size,
+        protected_len=protected,
     )
 
 

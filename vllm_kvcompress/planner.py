@@ -68,8 +68,10 @@ class RequestState:
         return state
 
     def _group_budgets(self, per_layer) -> tuple[int, ...]:
-        # A group's layers share one block table, so they keep its largest budget.
-        return tuple(max(b for b, g in zip(per_layer, self.group_of_layer) if g == group)
+        # A group's layers share one block table, so they keep its largest
+        # budget, after the protected start (which every layer keeps whole).
+        protected = self.plan.protected_len if self.plan is not None else 0
+        return tuple(protected + max(b for b, g in zip(per_layer, self.group_of_layer) if g == group)
                      for group in range(len(self.num_evicted)))
 
     def set_layer_budgets(self, per_layer) -> None:

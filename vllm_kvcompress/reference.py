@@ -126,9 +126,12 @@ class ReferenceDecoder:
 
     def generate(
         self, prompt: list[int], max_new_tokens: int, config: KVCompressConfig | None = None,
-        block_size: int = 32,
+        block_size: int = 32, cached_len: int = 0,
     ) -> dict:
         """Greedy tokens with the config's compression applied on the planner's schedule.
+
+        `cached_len`: leading prompt tokens the engine served from its prefix
+        cache (the protected start; their queries are never observed).
 
         Returns tokens, the kept logical positions per compressed layer at the end, the
         physical cache length after every compression and the logical length
@@ -141,7 +144,7 @@ class ReferenceDecoder:
         # a group's layers share one length.
         num_compressed = len(self.compressed)
         group_of_layer = layer_groups(num_compressed, config.num_layer_groups)
-        resolved = resolve_plan(config, len(prompt), num_compressed, block_size)
+        resolved = resolve_plan(config, len(prompt), num_compressed, block_size, cached_len)
         plan = RequestState.create(resolved, group_of_layer)
         state = None
         if resolved is not None:
@@ -155,8 +158,8 @@ class ReferenceDecoder:
                 return
             assert state is not None
             for layer, c in self.compressed.items():
-                keep = state.select(c, targets[group_of_layer[c]])
                 keys, values = cache[layer]
+                keep = state.select(c, targets[group_of_layer[c]], keys)
                 idx = keep.unsqueeze(-1).expand(-1, -1, self.head_dim)
                 cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
                 state.compact(c, keep)

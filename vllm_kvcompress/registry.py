@@ -42,6 +42,7 @@ POLICIES: dict[str, Composition] = {
     "streamingllm": Composition("streamingllm", trigger="rolling"),
     "window": Composition("streamingllm", trigger="rolling", defaults={"sink_tokens": 0}),
     "random": Composition("random", trigger="rolling"),
+    "rkv": Composition("rkv", trigger="decode"),
 }
 
 

@@ -6,6 +6,10 @@
   streamed  rolling, and also every `prompt_chunk` prompt tokens while the
             prompt is prefilled (only scorers that observe no attention: no
             later query can change their choice)
+  decode    rolling over generated tokens only: the prompt stays whole (it is
+            the protected start, and `budget` counts generated tokens), the
+            regime of long generations (R-KV, TriAttention); it composes with
+            prefix caching completely, as no prompt block is ever rewritten
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import ClassVar
 class Trigger:
     name: ClassVar[str]
     rolling: ClassVar[bool] = False
+    # The whole prompt is protected: only tokens generated after it are evicted.
+    keeps_prompt: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
@@ -53,4 +59,10 @@ class Streamed(Trigger):
         return self.prompt_chunk
 
 
-TRIGGERS: dict[str, type[Trigger]] = {cls.name: cls for cls in (Once, Rolling, Streamed)}
+class DecodeOnly(Trigger):
+    name = "decode"
+    rolling = True
+    keeps_prompt = True
+
+
+TRIGGERS: dict[str, type[Trigger]] = {cls.name: cls for cls in (Once, Rolling, Streamed, DecodeOnly)}

@@ -4,10 +4,11 @@ from .base import LogitsNoise, Observation, Observe, Scorer, hash_uniform
 from .h2o import H2O
 from .keyformer import Keyformer
 from .random import Random
+from .rkv import RKV
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-SCORERS: dict[str, type[Scorer]] = {cls.name: cls for cls in (SnapKV, H2O, TOVA, Keyformer, StreamingLLM, Random)}
+SCORERS: dict[str, type[Scorer]] = {cls.name: cls for cls in (SnapKV, H2O, TOVA, Keyformer, StreamingLLM, Random, RKV)}
 
 __all__ = ["SCORERS", "LogitsNoise", "Observation", "Observe", "Scorer", "hash_uniform"]

@@ -27,6 +27,9 @@ class Observe(enum.Enum):
     WINDOW = "window"  # the last `window` prompt queries (SnapKV family)
     ALL = "all"  # every query, prompt and decode, summed (H2O family)
     LAST = "last"  # only the newest query; each step replaces the last (TOVA)
+    # The last `window` queries before each compression, summed; cleared after
+    # it (R-KV's observation window, at every rolling compression).
+    RECENT = "recent"
 
 
 @dataclass
@@ -44,6 +47,12 @@ class Observation:
     num_compressions: int
     # This worker's heads among the layer's (tensor parallelism).
     shard: HeadShard = ONE_DEVICE
+    # [num_kv_heads, T, head_dim] the cached keys (post-RoPE, float32), for
+    # scorers that `needs_keys`; None otherwise.
+    keys: torch.Tensor | None = None
+    # Tokens at logical positions below this are the protected start (prefix
+    # cache hits, or the prompt under trigger 'decode'): kept whatever their score.
+    protected_len: int = 0
 
     @property
     def first_kv_head(self) -> int:
@@ -72,6 +81,8 @@ class Scorer:
     noisy: ClassVar[bool] = False
     # One score per token for every KV head of a layer (they keep the same tokens).
     same_for_every_head: ClassVar[bool] = False
+    # score() reads the cached keys (`Observation.keys`).
+    needs_keys: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""

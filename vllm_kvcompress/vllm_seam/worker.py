@@ -379,13 +379,17 @@ class WorkerCompression:
             tables[g] = table.to(device)
         for layer in range(self.num_layers):
             g = self.group_of_layer[layer]
-            keeps = [state.select(layer, c.new_lengths[g]) for c, state in zip(compactions, states)]
+            keys, values = self.views(self.layers[layer].kv_cache)
+            # Scorers that read the cached keys (R-KV's redundancy) get them dense.
+            keeps = [state.select(layer, c.new_lengths[g],
+                                  self.ops.gather_dense(keys, tables[g][i], c.old_lengths[g])
+                                  if state.scorer.needs_keys else None)
+                     for i, (c, state) in enumerate(zip(compactions, states))]
             width = max(k.shape[1] for k in keeps)
             keep_idx = torch.zeros(len(keeps), self.num_kv_heads, width, dtype=torch.int64)
             for i, k in enumerate(keeps):
                 keep_idx[i, :, : k.shape[1]] = k
             counts = torch.tensor([[k.shape[1]] * self.num_kv_heads for k in keeps], dtype=torch.int64)
-            keys, values = self.views(self.layers[layer].kv_cache)
             self.ops.compact_kv_batched(keys, values, tables[g], keep_idx.to(device), counts.to(device))
             for state, k in zip(states, keeps):
                 state.compact(layer, k)

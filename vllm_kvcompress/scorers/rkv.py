@@ -1,0 +1,99 @@
+"""R-KV: importance minus redundancy, for compressing long generations.
+
+Cai et al., "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models"
+(arXiv 2505.24133), as in methods.md ("Redundancy-aware decode scores"). Per
+KV head, over the candidate tokens (those after the protected start):
+
+  importance I_j   the attention of the last `window` queries before the
+                   compression (summed per query head, GQA group mean, divided
+                   by `window`: their mean), max-pooled over `kernel_size`
+                   neighbours in logical order (the tokens before the window),
+                   as SnapKV pools
+  redundancy R_j   with unit keys k^_i: S_ij = k^_i . k^_j (S_ii = 0); each
+                   token i forgets its most recent near-duplicate (the newest
+                   j with S_ij > `threshold`, R-KV's "retain last"); then
+                   R = softmax_j(mean_i S_ij) over the candidates
+  score            Z_j = mix_lambda * I_j - (1 - mix_lambda) * R_j
+
+The `window` newest tokens are always kept. Defaults are the reference code's
+(window 8, kernel 7, lambda 0.07, threshold 0.5). One difference: a token
+with no near-duplicate forgets nothing (the reference code zeroes its
+similarity to the cache's first token instead, an artefact of its argmax).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kernels.reference import pool_scores, reduce_gqa
+from .base import Observation, Observe, Scorer, check_at_least
+
+
+@dataclass(frozen=True)
+class RKV(Scorer):
+    name = "rkv"
+    observe = Observe.RECENT
+    needs_keys = True
+
+    window: int = field(default=8, metadata={
+        "help": "rkv: observation window, the last queries before each compression (always kept)"})
+    kernel_size: int = field(default=7, metadata={"help": "pooling kernel over token scores"})
+    mix_lambda: float = field(default=0.07, metadata={
+        "help": "rkv: weight of importance against redundancy (score = l * I - (1 - l) * R)"})
+    threshold: float = field(default=0.5, metadata={
+        "help": "rkv: key cosine similarity above which two tokens are near-duplicates"})
+
+    def validate(self) -> None:
+        check_at_least("window", self.window, 1)
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
+        if not 0.0 <= self.mix_lambda <= 1.0:
+            raise ValueError(f"mix_lambda must be in [0, 1], got {self.mix_lambda}")
+        if not -1.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [-1, 1], got {self.threshold}")
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        return 0, self.window
+
+    def min_budget(self) -> int:
+        return self.window
+
+    def window_queries(self) -> int:
+        return self.window
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        assert obs.keys is not None
+        if obs.attention is None:  # no query observed yet (a prompt within the window): redundancy alone
+            importance = torch.zeros(obs.positions.shape, dtype=torch.float32)
+        else:
+            importance = reduce_gqa(obs.attention, obs.attention.shape[0] // obs.num_kv_heads, "mean") / self.window
+        # Pooled in logical order over all but the `window` newest tokens (kept
+        # anyway), as the reference pools the tokens before its window.
+        order = obs.positions.argsort(dim=-1)
+        prefix = max(importance.shape[-1] - self.window, 0)
+        if prefix:
+            chronological = importance.gather(1, order)
+            chronological[:, :prefix] = pool_scores(chronological[:, :prefix], self.kernel_size, "max")
+            importance = importance.scatter(1, order, chronological)
+        redundancy = torch.zeros_like(importance)
+        for h in range(obs.num_kv_heads):
+            candidates = (obs.positions[h] >= obs.protected_len).nonzero().flatten()
+            if len(candidates):
+                redundancy[h, candidates] = self.redundancy(obs.keys[h, candidates], obs.positions[h, candidates])
+        return self.mix_lambda * importance - (1.0 - self.mix_lambda) * redundancy
+
+    def redundancy(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[n] R over n candidate tokens of one head: keys [n, D], logical positions [n]."""
+        unit = keys.float()
+        unit = unit / (unit.norm(dim=-1, keepdim=True) + 1e-8)
+        sim = unit @ unit.T
+        sim.fill_diagonal_(0.0)
+        duplicate = sim > self.threshold
+        # Each token's most recent near-duplicate (by logical position: after a
+        # compaction the physical order is not chronological) is forgotten.
+        newest = torch.where(duplicate, positions.view(1, -1), -1).argmax(dim=1)
+        rows = duplicate.any(dim=1).nonzero().flatten()
+        sim[rows, newest[rows]] = 0.0
+        return sim.mean(dim=0).softmax(dim=0)
