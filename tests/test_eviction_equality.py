@@ -23,8 +23,7 @@ POLICY_NAMES = sorted(name for name, c in POLICIES.items()
 
 @pytest.fixture(scope="module")
 def engine(start_engine, tiny_model):
-    # Prefix caching asked for explicitly: the plugin must turn it off.
-    return start_engine(**engine_kwargs(tiny_model, kv_compress="none", enable_prefix_caching=True))
+    return start_engine(**engine_kwargs(tiny_model, kv_compress="none"))
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +31,6 @@ def reference(tiny_model):
     from vllm_kvcompress.reference import ReferenceDecoder
 
     return ReferenceDecoder(tiny_model)
-
-
-def test_prefix_caching_turned_off(engine):
-    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)

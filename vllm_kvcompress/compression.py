@@ -89,7 +89,11 @@ class RequestCompression:
     def append(self, q_positions: torch.Tensor) -> None:
         """New tokens entered the cache (same positions in every layer/head)."""
         first, n = int(q_positions[0]), len(q_positions)
-        if self._tail_len == 0:
+        if self.logical_len == 0:
+            # The first tokens computed: any before them came from the prefix
+            # cache, and are in the cache from slot 0 on.
+            self._tail_start, self._tail_len = 0, first
+        elif self._tail_len == 0:
             self._tail_start = first
         elif first != self._tail_start + self._tail_len:
             expected = self._tail_start + self._tail_len

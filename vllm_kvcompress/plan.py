@@ -89,6 +89,10 @@ class Compaction:
     request_id: str
     old_lengths: tuple[int, ...]
     new_lengths: tuple[int, ...]
+    # Per KV cache group, None, or (first block index, fresh block ids): the
+    # blocks from that index on are replaced by fresh ones that receive the
+    # kept tokens, because the originals are cached or shared (prefix caching).
+    copies: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
 
 
 @dataclass

@@ -10,6 +10,14 @@ The spec goes through vLLM's own extension point, `KVCacheSpecRegistry`, so
 nothing of vLLM's is patched for it. The engine core's `get_kv_cache_groups`
 wrapper (groups.py) puts the spec into the KV cache config; the workers get
 it with that config and lay out tensors exactly as for `FullAttentionSpec`.
+
+Prefix caching. vLLM hashes a request's full blocks as they fill, and other
+requests may then share them. A compaction never writes into such a block:
+the blocks it would rewrite (from the protected start's block on) are
+replaced by fresh ones that receive the kept tokens (copy on write), and the
+originals go back to the pool still cached, so a later request with the same
+prefix hits them intact. Once a request has compacted, its blocks past the
+protected start hold tokens out of logical order, and are never cached.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -50,12 +59,15 @@ class CompressedAttentionManager(FullAttentionManager):
     (KVCompressScheduler) tells it, per request, how many tokens were evicted
     from this group and how many a streamed prompt ever holds.
 
-    Compression turns prefix caching off (engine_args.py), so blocks carry
-    no hashes that eviction would invalidate.
+    With prefix caching on, compaction copies into fresh blocks whatever
+    it would otherwise rewrite of a cached or shared block (`compact`).
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # Tokens of the request that may still be cached: its blocks from the
+        # first rewritten one on hold tokens out of logical order.
+        self.cacheable: dict[str, int] = {}
         # Logical - physical tokens per request, in this group.
         self.num_evicted: dict[str, int] = {}
         # Most tokens a streamed prompt ever holds: vLLM admits a waiting
@@ -95,22 +107,66 @@ class CompressedAttentionManager(FullAttentionManager):
         num_tokens, num_tokens_main_model = self._physical(request_id, num_tokens, num_tokens_main_model, False)
         return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
 
-    def evict_tail(self, request_id: str, logical_len: int, physical_len: int) -> tuple[int, int]:
+    def copies_needed(self, request_id: str, physical_len: int, protected_len: int) -> int | None:
+        """Fresh blocks a compaction to `physical_len` needs (0: it rewrites in place).
+
+        The blocks it would rewrite run from the protected start's block to
+        the new length's; if one of them is cached or shared, all of them are
+        copied. None: one is shared and the pool has too few free blocks to
+        copy (the compaction must wait).
+        """
+        rewritten = self._rewritten(request_id, physical_len, protected_len)
+        if all(self.block_pool.is_block_writable(b) for b in rewritten):
+            return 0
+        if len(rewritten) <= self.block_pool.get_num_free_blocks():
+            return len(rewritten)
+        if any(b.ref_cnt > 1 for b in rewritten):
+            return None
+        return 0  # only cached, not shared: `compact` drops their hashes and rewrites them
+
+    def _rewritten(self, request_id: str, physical_len: int, protected_len: int) -> list[KVCacheBlock]:
+        blocks = self.req_to_blocks.get(request_id, [])
+        return blocks[protected_len // self.block_size: cdiv(physical_len, self.block_size)]
+
+    def compact(self, request_id: str, logical_len: int, physical_len: int, protected_len: int,
+                copy: bool) -> tuple[int, int, tuple[int, tuple[int, ...]] | None]:
         """Keep the blocks of `physical_len` tokens, give the rest back to the pool.
 
-        The worker compacts the kept tokens into the leading blocks before the
-        step writes anything, so the tail may go to another request this very
-        step. Returns (blocks freed, blocks held).
+        `copy` (`copies_needed` > 0): the blocks from the protected start's on
+        are replaced by fresh ones, which the worker fills with the kept
+        tokens; the originals are released (cached ones stay in the prefix
+        cache). Otherwise the kept tokens are compacted in place into the
+        leading blocks, before the step writes anything, so the tail may go
+        to another request this very step. Returns (blocks freed, blocks held,
+        copy: (first replaced block index, fresh block ids) or None).
         """
         blocks = self.req_to_blocks.get(request_id, [])
+        first = protected_len // self.block_size
         keep = cdiv(physical_len, self.block_size)
-        tail = blocks[keep:]
-        del blocks[keep:]
+        copied = None
+        if copy:
+            fresh = self.block_pool.get_new_blocks(keep - first)
+            released = blocks[first:]
+            blocks[first:] = fresh
+            copied = (first, tuple(b.block_id for b in fresh))
+        else:
+            for block in self._rewritten(request_id, physical_len, protected_len):
+                # Cached but not shared (copies_needed): its hash would name
+                # tokens it no longer holds.
+                drop_cached_hash(self.block_pool, block)
+            released = blocks[keep:]
+            del blocks[keep:]
         # Tail first, as vLLM's own free does: the most recent blocks are the
         # first to be reused.
-        self.block_pool.free_blocks(reversed(tail))
+        self.block_pool.free_blocks(reversed(released))
         self.num_evicted[request_id] = logical_len - physical_len
-        return len(tail), len(blocks)
+        self.cacheable[request_id] = min(self.cacheable.get(request_id, first * self.block_size),
+                                         first * self.block_size)
+        return len(released) - (0 if copied is None else len(copied[1])), len(blocks), copied
+
+    def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
+        limit = self.cacheable.get(request.request_id)
+        super().cache_blocks(request, num_tokens if limit is None else min(num_tokens, limit), *args, **kwargs)
 
     def set_admission_cap(self, request_id: str, max_tokens: int | None) -> None:
         if max_tokens is None:
@@ -124,7 +180,14 @@ class CompressedAttentionManager(FullAttentionManager):
         # prefills again from a full-length, uncompressed start.
         self.num_evicted.pop(request_id, None)
         self.max_tokens.pop(request_id, None)
+        self.cacheable.pop(request_id, None)
         return super().pop_blocks_for_free(request_id)
+
+
+def drop_cached_hash(pool: BlockPool, block: KVCacheBlock) -> None:
+    """Take a block out of the prefix cache (vLLM does this when it reuses a
+    free block: `BlockPool._maybe_evict_cached_block`, 0.32)."""
+    pool._maybe_evict_cached_block(block)
 
 
 def register_compressed_spec(vllm_config=None) -> None:

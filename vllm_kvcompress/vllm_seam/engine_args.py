@@ -207,10 +207,6 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
         raise _refuse(f"a quantised KV cache (kv_cache_dtype={args.kv_cache_dtype}; compaction copies raw values)")
     if args.scheduler_cls not in (None, SCHEDULER_CLS) and "vllm.v1.core.sched" not in str(args.scheduler_cls):
         raise _refuse(f"a custom scheduler_cls ({args.scheduler_cls})")
-    if args.enable_prefix_caching:
-        logger.warning("kv_compress: prefix caching turned off: compacted blocks no longer "
-                       "hold the tokens their hashes name, so sharing them would corrupt other requests")
-    args.enable_prefix_caching = False
     if args.async_scheduling:
         logger.warning("kv_compress: async scheduling turned off: blocks are freed and compacted "
                        "between synchronous steps")

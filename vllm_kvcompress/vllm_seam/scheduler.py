@@ -6,6 +6,11 @@ at once, so this very step can hand them to other requests. Allocation then
 follows the *physical* length. The step's plan rides to the workers as an
 attribute of SchedulerOutput (a pickled dataclass); the workers compact the
 cache before anything is written to the freed blocks.
+
+Prefix caching: the prompt tokens a request gets from the prefix cache are
+its protected start (never evicted; its blocks may be shared). A request is
+planned when vLLM has looked up its hit; a preempted request replays its
+first life with that life's protected start, and takes no longer hit.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import os
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from ..accounting import CompressionStats
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
@@ -45,6 +51,10 @@ class KVCompressScheduler(Scheduler):
         self.kvc_group_of_layer = list(self.kvc_layers.group_of_layer)
         self.kvc_block_size = groups[self.kvc_layers.vllm_groups[0]].kv_cache_spec.block_size
         self.kvc_states: dict[str, RequestState] = {}
+        # Prompt tokens served from the prefix cache when each request was
+        # first scheduled (its protected start, kept across preemptions).
+        self._kvc_cached: dict[str, int] = {}
+        self._kvc_pending_cached: dict[str, int] = {}  # the hit its current plan was made with
         self.kvc_stats = CompressionStats(
             total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1,
             kv_cache_groups=tuple("compressed" if g in self.kvc_layers.vllm_groups else _kind(group.kv_cache_spec)
@@ -71,8 +81,18 @@ class KVCompressScheduler(Scheduler):
 
     # ---------------------------------------------------------------- steps
 
-    def _request_state(self, request) -> RequestState:
-        state = self.kvc_states.get(request.request_id)
+    def _request_state(self, request, cached_len: int | None = None) -> RequestState:
+        """The request's compression state, created on first use.
+
+        `cached_len`: the prefix-cache hit of a request not yet running (vLLM
+        looks it up at every scheduling attempt: the plan follows the latest).
+        """
+        rid = request.request_id
+        state = self.kvc_states.get(rid)
+        if cached_len is not None and rid in self._kvc_cached:
+            cached_len = self._kvc_cached[rid]  # a resumed request: its first life's
+        if state is not None and cached_len is not None and self._kvc_pending_cached.get(rid) != cached_len:
+            state = None  # planned at an earlier attempt with another hit
         if state is None:
             params = request.sampling_params
             # Validated in the front end (InputProcessor) already.
@@ -82,8 +102,15 @@ class KVCompressScheduler(Scheduler):
             # (preempted) request gets its first life's plan (same prompt) and
             # recomputes prompt and outputs in chunks that end at its first
             # life's compression points (`tokens_until_due`): same tokens kept.
+            cached = cached_len or 0
             plan = resolve_plan(config, request.num_prompt_tokens, len(self.kvc_group_of_layer),
-                                self.kvc_block_size)
+                                self.kvc_block_size, cached_len=cached)
+            if plan is not None and cached and plan.allocation.per_head:
+                # Head budgets cannot honour a protected start: this request runs uncompressed.
+                logger.warning("kv_compress %s: runs uncompressed: allocation 'per_head' cannot keep its %d "
+                               "prefix-cached tokens whole", rid, cached)
+                plan = None
+            self._kvc_pending_cached[rid] = cached
             state = RequestState.create(plan, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
             cap = state.max_physical(request.num_tokens)
@@ -96,20 +123,33 @@ class KVCompressScheduler(Scheduler):
 
     def _plan_compressions(self) -> list[Compaction]:
         ops = []
+        pool = self.kv_cache_manager.block_pool
         for request in self.running:
+            rid = request.request_id
             state = self._request_state(request)
             logical = request.num_computed_tokens
+            prefill_checked = state.prefill_checked
             targets = state.next_compression(logical)
             if targets is None:
                 continue
+            protected = state.plan.protected_len if state.plan is not None else 0
+            copies = [m.copies_needed(rid, t, protected) for m, t in zip(self._kvc_managers, targets)]
+            if None in copies or sum(c or 0 for c in copies) > pool.get_num_free_blocks():
+                # Blocks shared through the prefix cache, and no room to copy them: next step.
+                state.prefill_checked = prefill_checked
+                logger.warning("kv_compress %s: compaction postponed: its blocks are shared and the pool "
+                               "has no room to copy them", rid)
+                continue
             old = state.physical(logical)
             freed = held = 0
-            for manager, target in zip(self._kvc_managers, targets):
-                f, h = manager.evict_tail(request.request_id, logical, target)
+            copied = []
+            for manager, target, copy in zip(self._kvc_managers, targets, copies):
+                f, h, c = manager.compact(rid, logical, target, protected, bool(copy))
                 freed, held = freed + f, held + h
+                copied.append(c)
             state.commit(logical, targets)
-            self.kvc_stats.compressed(request.request_id, old, targets, freed, held)
-            ops.append(Compaction(request.request_id, old, targets))
+            self.kvc_stats.compressed(rid, old, targets, freed, held)
+            ops.append(Compaction(rid, old, targets, tuple(copied) if any(copied) else ()))
         return ops
 
     def schedule(self, *args, **kwargs):
@@ -119,6 +159,7 @@ class KVCompressScheduler(Scheduler):
         # them: the workers observe prompt queries from the first chunk on.
         for rid in output.num_scheduled_tokens:
             self._request_state(self.requests[rid])
+            self._kvc_cached.setdefault(rid, self._kvc_pending_cached.get(rid, 0))
         # A request preempted in this step already gave back all its blocks;
         # its state (and any op) is gone.
         ops = [op for op in ops if op.request_id in self.kvc_states]
@@ -144,11 +185,25 @@ class KVCompressScheduler(Scheduler):
                 state.set_layer_budgets(report.layer_budgets)
         return super().update_from_output(scheduler_output, model_runner_output)
 
+    def _get_local_prefix_cache_hit(self, request):
+        hit = super()._get_local_prefix_cache_hit(request)
+        cap = self._kvc_cached.get(request.request_id)
+        if cap is None or hit[1] <= cap:
+            return hit
+        # A resumed request takes no longer a hit than its first life got: the
+        # tokens after that were computed (and observed) then.
+        manager = self.kv_cache_manager
+        blocks, num_tokens, num_uncached = manager.coordinator.find_longest_cache_hit(request.block_hashes, cap)
+        return manager.create_kv_cache_blocks(blocks), num_tokens, num_tokens + num_uncached if num_uncached else 0, \
+            False
+
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         # vLLM's last word on a request's chunk (running and waiting alike): a
         # chunk ends where the request's next compression is due.
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        cap = self._request_state(request).tokens_until_due(num_computed_tokens)
+        # A request not running yet: `num_computed_tokens` is its prefix-cache hit.
+        cached = None if request.status == RequestStatus.RUNNING else num_computed_tokens
+        cap = self._request_state(request, cached).tokens_until_due(num_computed_tokens)
         return num_new_tokens if cap is None else min(num_new_tokens, cap)
 
     def _write_snapshot(self) -> None:
@@ -166,7 +221,10 @@ class KVCompressScheduler(Scheduler):
         super()._free_request_blocks(request)
         self.kvc_states.pop(request.request_id, None)
         self._kvc_started.pop(request.request_id, None)
+        self._kvc_pending_cached.pop(request.request_id, None)
         preempted = not request.is_finished()
+        if not preempted:
+            self._kvc_cached.pop(request.request_id, None)
         r = self.kvc_stats.finish(request.request_id, preempted=preempted, blocks_held=held)
         if r is not None and r.compressions and not preempted:
             self._kvc_ratios.observe(r.tokens_evicted / (r.tokens_evicted + r.tokens_kept))

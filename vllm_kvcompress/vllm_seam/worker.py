@@ -181,6 +181,24 @@ class StepObservation:
         r.state.accumulate(layer, total)
 
 
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    """Block id rows as one [R, widest] table (zero padded)."""
+    table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    return table
+
+
+def _copy_indices(keep: torch.Tensor, first: int, fresh: int) -> torch.Tensor:
+    """Kept indices [Hkv, K] -> the op's, for a row of `fresh` slots of new
+    blocks followed by the original blocks from slot `first` on: slots before
+    `first` stay (the protected start keeps them in place), every other kept
+    token is copied from the originals."""
+    if first and not bool((keep[:, :first] == torch.arange(first)).all()):
+        raise RuntimeError("kv_compress: a compaction would move tokens of the protected start")
+    return keep[:, first:] - first + fresh
+
+
 def _causal_logits(query: torch.Tensor, keys: torch.Tensor, q_phys: torch.Tensor, scale: float) -> torch.Tensor:
     """Scaled q.k [Hq, n, S] of queries [n, Hq, D] over one request's keys
     [Hkv, S, D], -inf past each query's own slot. Query heads are grouped by
@@ -359,7 +377,14 @@ class WorkerCompression:
 
     def compact(self, compactions: list[Compaction]) -> None:
         """Compact every layer of these requests to their KV cache groups' new
-        lengths (one kernel op per layer for all of them); truncate each group's table."""
+        lengths (one kernel op per layer for all of them); truncate each group's table.
+
+        A group the scheduler copies (prefix caching: its blocks from the
+        protected start's on were cached or shared) gets the kept tokens from
+        there on in fresh blocks: the op's row for it is the fresh blocks
+        followed by the originals, and every kept token past the protected
+        start is read from the originals (indices shifted past the fresh ones).
+        """
         states = [self.states[c.request_id] for c in compactions]
         group_ids = [[self.runner.requests[c.request_id].block_ids[vg] for vg in self.vllm_groups]
                      for c in compactions]
@@ -370,13 +395,23 @@ class WorkerCompression:
                         f"kv_compress: request {c.request_id} layer {layer} tracks {state.num_tokens(layer)} "
                         f"tokens, scheduler says {c.old_lengths[self.group_of_layer[layer]]}")
         device = self.layers[0].kv_cache.device
-        tables = {}
+        bs = self.block_size
+        tables, op_tables = {}, {}
+        # (first slot copied, fresh slots) per (request, group) that copies.
+        copied: dict[tuple[int, int], tuple[int, int]] = {}
         for g in range(self.num_groups):
-            width = max(len(ids[g]) for ids in group_ids)
-            table = torch.zeros(len(compactions), width, dtype=torch.int64)
-            for i, ids in enumerate(group_ids):
-                table[i, : len(ids[g])] = torch.tensor(ids[g], dtype=torch.int64)
-            tables[g] = table.to(device)
+            rows, op_rows = [], []
+            for i, (c, ids) in enumerate(zip(compactions, group_ids)):
+                rows.append(ids[g])
+                copy = c.copies[g] if c.copies else None
+                if copy is None:
+                    op_rows.append(ids[g])
+                else:
+                    first, fresh = copy
+                    op_rows.append(list(fresh) + ids[g][first:])
+                    copied[i, g] = (first * bs, len(fresh) * bs)
+            tables[g] = _padded(rows).to(device)
+            op_tables[g] = tables[g] if not any(k[1] == g for k in copied) else _padded(op_rows).to(device)
         for layer in range(self.num_layers):
             g = self.group_of_layer[layer]
             keys, values = self.views(self.layers[layer].kv_cache)
@@ -385,18 +420,22 @@ class WorkerCompression:
                                   self.ops.gather_dense(keys, tables[g][i], c.old_lengths[g])
                                   if state.scorer.needs_keys else None)
                      for i, (c, state) in enumerate(zip(compactions, states))]
-            width = max(k.shape[1] for k in keeps)
-            keep_idx = torch.zeros(len(keeps), self.num_kv_heads, width, dtype=torch.int64)
-            for i, k in enumerate(keeps):
+            op_keeps = [_copy_indices(k, *copied[i, g]) if (i, g) in copied else k for i, k in enumerate(keeps)]
+            width = max(k.shape[1] for k in op_keeps)
+            keep_idx = torch.zeros(len(op_keeps), self.num_kv_heads, width, dtype=torch.int64)
+            for i, k in enumerate(op_keeps):
                 keep_idx[i, :, : k.shape[1]] = k
-            counts = torch.tensor([[k.shape[1]] * self.num_kv_heads for k in keeps], dtype=torch.int64)
-            self.ops.compact_kv_batched(keys, values, tables[g], keep_idx.to(device), counts.to(device))
+            counts = torch.tensor([[k.shape[1]] * self.num_kv_heads for k in op_keeps], dtype=torch.int64)
+            self.ops.compact_kv_batched(keys, values, op_tables[g], keep_idx.to(device), counts.to(device))
             for state, k in zip(states, keeps):
                 state.compact(layer, k)
         for c, state, ids in zip(compactions, states, group_ids):
             state.finish_compaction()
             row = self.runner.input_batch.req_id_to_index.get(c.request_id)
             for g, new_len in enumerate(c.new_lengths):
+                copy = c.copies[g] if c.copies else None
+                if copy is not None:
+                    ids[g][copy[0]:] = copy[1]
                 del ids[g][cdiv(new_len, self.block_size):]
                 if row is not None:
                     table = self.runner.input_batch.block_table[self.vllm_groups[g]]
