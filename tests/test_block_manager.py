@@ -79,13 +79,46 @@ def test_registry_picks_the_manager_and_keeps_builtins(spec, monkeypatch):
     assert KVCacheSpecRegistry.get_uniform_type_base_spec(spec) is FullAttentionSpec
 
 
+def evict_tail(manager, rid: str, logical_len: int, physical_len: int) -> tuple[int, int]:
+    """An in-place compaction (nothing protected, nothing cached): (blocks freed, blocks held)."""
+    assert manager.copies_needed(rid, physical_len, 0) == 0
+    freed, held, copied = manager.compact(rid, logical_len, physical_len, 0, copy=False)
+    assert copied is None
+    return freed, held
+
+
+def test_shared_blocks_are_copied_not_rewritten(manager):
+    """Blocks another request holds too (a prefix-cache hit) are never rewritten:
+    the compaction gets fresh blocks for everything from the protected
+    start's block on, and the originals lose only this request's reference."""
+    pool = manager.block_pool
+    allocate(manager, "a", 200)  # 7 blocks
+    blocks = list(manager.req_to_blocks["a"])
+    pool.touch(blocks[:5])  # another request shares the first 5
+    protected = 2 * BLOCK_SIZE  # its first 2 blocks are a hit: kept whole
+    free = pool.get_num_free_blocks()
+    need = manager.copies_needed("a", 130, protected)
+    assert need == cdiv(130, BLOCK_SIZE) - 2  # blocks 2..4 rewritten -> 3 fresh ones
+    freed, held, (first, fresh) = manager.compact("a", 200, 130, protected, copy=True)
+    assert first == 2 and len(fresh) == need
+    assert manager.req_to_blocks["a"][:2] == blocks[:2]  # the protected start stays
+    assert [b.block_id for b in manager.req_to_blocks["a"][2:]] == list(fresh)
+    assert not {b.block_id for b in blocks} & set(fresh)
+    assert all(b.ref_cnt == 1 for b in blocks[2:5]) and all(b.ref_cnt == 0 for b in blocks[5:])
+    assert (freed, held) == (2, 5) and pool.get_num_free_blocks() == free - need + 2
+    # No room to copy shared blocks: the compaction must wait.
+    allocate(manager, "b", (pool.get_num_free_blocks()) * BLOCK_SIZE)
+    pool.touch(manager.req_to_blocks["a"][2:])
+    assert manager.copies_needed("a", 90, protected) is None
+
+
 def test_allocation_counts_physical_tokens(manager):
     pool = manager.block_pool
     free = pool.get_num_free_blocks()
     assert allocate(manager, "a", 300) == cdiv(300, BLOCK_SIZE)
     assert pool.get_num_free_blocks() == free - cdiv(300, BLOCK_SIZE)
 
-    freed, held = manager.evict_tail("a", logical_len=300, physical_len=64)
+    freed, held = evict_tail(manager, "a", logical_len=300, physical_len=64)
     assert (freed, held) == (cdiv(300, BLOCK_SIZE) - 2, 2)
     assert pool.get_num_free_blocks() == free - 2
     assert manager.num_evicted["a"] == 236
@@ -104,13 +137,13 @@ def test_evict_tail_frees_exactly_the_tail(manager):
     allocate(manager, "a", 200)  # 7 blocks
     blocks = list(manager.req_to_blocks["a"])
     free = pool.get_num_free_blocks()
-    assert manager.evict_tail("a", 200, 70) == (4, 3)
+    assert evict_tail(manager, "a", 200, 70) == (4, 3)
     assert manager.req_to_blocks["a"] == blocks[:3]
     assert pool.get_num_free_blocks() == free + 4
     assert all(b.ref_cnt == 0 for b in blocks[3:]) and all(b.ref_cnt == 1 for b in blocks[:3])
     # A second eviction counts from the logical length again.
     allocate(manager, "a", 230)  # physical 100: 4 blocks
-    assert manager.evict_tail("a", 230, 40) == (2, 2)
+    assert evict_tail(manager, "a", 230, 40) == (2, 2)
     assert manager.num_evicted["a"] == 190
 
 
@@ -130,7 +163,7 @@ def test_free_returns_everything_and_forgets_the_request(manager):
     pool = manager.block_pool
     free = pool.get_num_free_blocks()
     allocate(manager, "a", 300)
-    manager.evict_tail("a", 300, 64)
+    evict_tail(manager, "a", 300, 64)
     manager.set_admission_cap("a", 96)
     allocate(manager, "a", 400)
     manager.free("a")

@@ -25,8 +25,11 @@ PARALLEL = {"tp1": [], "tp2": ["--tensor-parallel-size", "2"], "dp2": ["--data-p
 
 @pytest.fixture(scope="module", params=sorted(PARALLEL))
 def server(request, tiny_model, tmp_path_factory):
+    # Prefix caching on (vLLM's default): a repeated prompt hits it, and its
+    # hit (reported in the usage) is the protected start.
     srv = Server(tiny_model, "--kv-compress", "snapkv", "--kv-compress-budget", "64", "--max-num-seqs", "8",
-                 *PARALLEL[request.param], log=tmp_path_factory.mktemp("serve") / "serve.log",
+                 "--enable-prompt-tokens-details", *PARALLEL[request.param],
+                 log=tmp_path_factory.mktemp("serve") / "serve.log",
                  env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if request.param == "tp2" else None)
     srv.parallel = request.param
     yield srv
@@ -50,16 +53,39 @@ def metrics(server) -> dict[str, float]:
     return out
 
 
-def test_completion_chat_and_streaming(server):
+def cached_tokens(usage: dict) -> int:
+    """Prompt tokens the server took from its prefix cache (the protected start)."""
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def expected_text(tiny_model, prompt, config: dict | None, cached: int, new_tokens: int = 16) -> str:
+    from transformers import AutoTokenizer
+
+    from vllm_kvcompress.config import KVCompressConfig
+    from vllm_kvcompress.reference import ReferenceDecoder
+
+    cfg = KVCompressConfig.from_dict(config) if config else None
+    tokens = ReferenceDecoder(tiny_model).generate(prompt, new_tokens, cfg, cached_len=cached)["tokens"]
+    return AutoTokenizer.from_pretrained(tiny_model).decode(tokens)
+
+
+def test_completion_chat_and_streaming(server, tiny_model):
+    """The same prompt plain and streamed: the second hits the prefix cache, and
+    each equals the reference decoder with its own hit protected."""
     (prompt,) = random_prompts((300,), seed=41)
+    engine = {"policy": "snapkv", "budget": 64}
     plain = complete(server, prompt)
     assert plain.status_code == 200, plain.text
-    text = plain.json()["choices"][0]["text"]
+    body = plain.json()
+    assert body["choices"][0]["text"] == expected_text(tiny_model, prompt, engine, cached_tokens(body["usage"]))
     streamed = requests.post(server.url + "/v1/completions", stream=True, timeout=TIMEOUT, json={
-        "model": server.model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True})
+        "model": server.model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}})
     chunks = [json.loads(line[6:]) for line in streamed.iter_lines(decode_unicode=True)
               if line.startswith("data: ") and line != "data: [DONE]"]
-    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    usage = next(c["usage"] for c in chunks if c.get("usage"))
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == expected_text(tiny_model, prompt, engine, cached_tokens(usage))
     chat = requests.post(server.url + "/v1/chat/completions", timeout=TIMEOUT, json={
         "model": server.model, "max_tokens": 12, "temperature": 0,
         "messages": [{"role": "user", "content": "tell me a long story " * 60}]})
@@ -68,21 +94,13 @@ def test_completion_chat_and_streaming(server):
 
 
 def test_per_request_control_through_vllm_xargs(server, tiny_model):
-    from vllm_kvcompress.config import KVCompressConfig
-    from vllm_kvcompress.reference import ReferenceDecoder
-
     (prompt,) = random_prompts((260,), seed=43)
-    ref = ReferenceDecoder(tiny_model)
     off = complete(server, prompt, vllm_xargs={"kv_compress": "none"}, ignore_eos=True)
     h2o = complete(server, prompt, vllm_xargs={"kv_compress": "h2o", "kv_compress_budget": 48}, ignore_eos=True)
     assert off.status_code == h2o.status_code == 200, (off.text, h2o.text)
-    want_off = ref.generate(prompt, 16)["tokens"]
-    want_h2o = ref.generate(prompt, 16, KVCompressConfig.from_dict({"policy": "h2o", "budget": 48}))["tokens"]
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    assert off.json()["choices"][0]["text"] == tok.decode(want_off)
-    assert h2o.json()["choices"][0]["text"] == tok.decode(want_h2o)
+    for response, config in ((off, None), (h2o, {"policy": "h2o", "budget": 48})):
+        body = response.json()
+        assert body["choices"][0]["text"] == expected_text(tiny_model, prompt, config, cached_tokens(body["usage"]))
 
 
 @pytest.mark.parametrize("xargs, field", [
