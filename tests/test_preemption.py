@@ -74,6 +74,32 @@ def test_every_policy_survives_preemption(start_engine, tiny_model, reference):
     check(engine, reference, SINGLE_GROUP, 1, seed=71)
 
 
+def test_prefix_cached_requests_survive_preemption(start_engine, tiny_model, reference):
+    """With prefix caching on, requests share a system prompt (their hit is the
+    protected start); a preempted one replays its first life with that life's
+    hit (its resumed prefill may not take a longer one) and equals the
+    reference that protects it."""
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", num_gpu_blocks_override=NUM_BLOCKS,
+                                          enable_prefix_caching=True))
+    system = random_prompts((96,), seed=80)[0]
+    fillers = random_prompts([220] * FILLERS, seed=81)
+    prompts = [system + p for p in random_prompts([90 + 7 * i for i in range(6)], seed=82)]
+    configs = [{"policy": "h2o", "budget": 64}, {"policy": "snapkv", "budget": 64, "window": 8},
+               {"policy": "tova", "budget": 48, "window": 4}, {"policy": "rkv", "budget": 16, "interval": 8},
+               {"policy": "streamingllm", "budget": 48}, {"policy": "snapkv", "compression_ratio": 0.5, "window": 8}]
+    before = engine.stats()["preemptions"]
+    got = engine.generate_with_hits(fillers + prompts, NEW_TOKENS, [None] * FILLERS + configs)[FILLERS:]
+    stats = engine.stats()
+    assert stats["preemptions"] > before, "the cache was meant to be too small"
+    assert sum(cached >= len(system) for _, cached in got) >= len(prompts) - 1
+    preempted = {k.split("#")[0] for k in stats["requests"] if "#preempted" in k}
+    assert any(r["finished"] for k, r in stats["requests"].items() if k in preempted)
+    for prompt, config, (tokens, cached) in zip(prompts, configs, got):
+        want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=BLOCK_SIZE,
+                                  cached_len=cached)["tokens"]
+        assert tokens == want, f"{config} hit {cached}"
+
+
 def test_per_layer_budgets_survive_preemption(start_engine, tiny_model, reference):
     engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS,
                                           num_gpu_blocks_override=NUM_BLOCKS * NUM_LAYERS))

@@ -37,12 +37,7 @@ def reference(tiny_model):
 
 def generate(engine, prompts, configs):
     """(tokens, prefix-cache hit) per prompt."""
-    from vllm import SamplingParams
-
-    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                             extra_args=None if c is None else {"kv_compress": c}) for c in configs]
-    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.num_cached_tokens) for o in outs]
+    return engine.generate_with_hits(prompts, NEW_TOKENS, configs)
 
 
 def prefix_cache_hits(engine) -> float:
