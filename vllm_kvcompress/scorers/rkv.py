@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.reference import pool_scores, reduce_gqa
+from ..kernels.reference import reduce_gqa
 from .base import Observation, Observe, Scorer, check_at_least
+from .snapkv import pool_before_window
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,8 @@ class RKV(Scorer):
             importance = torch.zeros(obs.positions.shape, dtype=torch.float32)
         else:
             importance = reduce_gqa(obs.attention, obs.attention.shape[0] // obs.num_kv_heads, "mean") / self.window
-        # Pooled in logical order over all but the `window` newest tokens (kept
-        # anyway), as the reference pools the tokens before its window.
-        order = obs.positions.argsort(dim=-1)
-        prefix = max(importance.shape[-1] - self.window, 0)
-        if prefix:
-            chronological = importance.gather(1, order)
-            chronological[:, :prefix] = pool_scores(chronological[:, :prefix], self.kernel_size, "max")
-            importance = importance.scatter(1, order, chronological)
+        # As the reference pools the tokens before its window.
+        importance = pool_before_window(importance, obs.positions, self.window, self.kernel_size, "max")
         redundancy = torch.zeros_like(importance)
         for h in range(obs.num_kv_heads):
             candidates = (obs.positions[h] >= obs.protected_len).nonzero().flatten()

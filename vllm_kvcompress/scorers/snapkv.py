@@ -44,13 +44,18 @@ class SnapKV(Scorer):
         assert obs.attention is not None
         group = obs.attention.shape[0] // obs.num_kv_heads
         scores = reduce_gqa(obs.attention, group, self.gqa_reduce)
-        # Pool neighbours in logical order over all but the `window` newest
-        # tokens (kept whole anyway). At the first compaction the cache is
-        # chronological; a rolling trigger compacts it out of order.
-        order = obs.positions.argsort(dim=-1)
-        prefix = max(scores.shape[-1] - self.window, 0)
-        if prefix:
-            chronological = scores.gather(1, order)
-            chronological[:, :prefix] = pool_scores(chronological[:, :prefix], self.kernel_size, self.pooling)
-            scores = scores.scatter(1, order, chronological)
-        return scores
+        return pool_before_window(scores, obs.positions, self.window, self.kernel_size, self.pooling)
+
+
+def pool_before_window(scores: torch.Tensor, positions: torch.Tensor, window: int, kernel_size: int,
+                       pooling: str) -> torch.Tensor:
+    """Pool [Hkv, T] scores over neighbours in logical order, all but the
+    `window` newest tokens (kept whole anyway). At the first compaction the
+    cache is chronological; a rolling trigger compacts it out of order."""
+    order = positions.argsort(dim=-1)
+    prefix = max(scores.shape[-1] - window, 0)
+    if prefix:
+        chronological = scores.gather(1, order)
+        chronological[:, :prefix] = pool_scores(chronological[:, :prefix], kernel_size, pooling)
+        scores = scores.scatter(1, order, chronological)
+    return scores
