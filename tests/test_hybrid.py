@@ -142,3 +142,28 @@ def test_per_layer_groups_match_reference(per_layer, reference):
     finished = {r["prefill_len"]: r for r in per_layer.stats()["requests"].values() if r["finished"]}
     pyramid = finished[300]["tokens_kept_per_group"]
     assert len(pyramid) == FULL_LAYERS and pyramid[0] != pyramid[1], "pyramid keeps layers apart"
+
+
+def test_prefix_caching_on_a_hybrid_model(start_engine, gemma_model, reference):
+    """Gemma-style deployments keep prefix caching on: requests sharing a system
+    prompt hit it in every group, the full-attention group compresses only
+    what follows the hit, and each equals the reference that protects it.
+
+    vLLM's sliding-window groups retain blocks sparsely (Marconi-style): the
+    second request that shares a prefix finds it only in the full-attention
+    group, misses, and pins the junction; from the third on, all hit (as
+    without the plugin)."""
+    engine = start_engine(**engine_kwargs(gemma_model, kv_compress="none", enable_prefix_caching=True))
+    system = random_prompts((256,), seed=61)[0]
+    prompts = [system + p for p in random_prompts((120, 150, 90, 170, 130), seed=62)]
+    configs = [{"policy": "snapkv", "budget": 48, "window": 8}, {"policy": "h2o", "budget": 48},
+               {"policy": "rkv", "budget": 16, "interval": 8}, {"policy": "streamingllm", "budget": 40},
+               {"policy": "snapkv", "budget": 32, "window": 8, "selection": "span", "span": 8}]
+    got = [engine.generate_with_hits([p], NEW_TOKENS, [c])[0] for p, c in zip(prompts[:2], configs[:2])]
+    got += engine.generate_with_hits(prompts[2:], NEW_TOKENS, configs[2:])
+    assert all(cached >= len(system) for _, cached in got[2:]), [c for _, c in got]
+    for prompt, config, (tokens, cached) in zip(prompts, configs, got):
+        want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=BLOCK_SIZE,
+                                  cached_len=cached)
+        assert tokens == want["tokens"], f"{config} hit {cached}"
+        assert want["compressed_at"]

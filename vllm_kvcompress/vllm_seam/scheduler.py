@@ -135,10 +135,11 @@ class KVCompressScheduler(Scheduler):
             protected = state.plan.protected_len if state.plan is not None else 0
             copies = [m.copies_needed(rid, t, protected) for m, t in zip(self._kvc_managers, targets)]
             if None in copies or sum(c or 0 for c in copies) > pool.get_num_free_blocks():
-                # Blocks shared through the prefix cache, and no room to copy them: next step.
+                # Blocks shared through the prefix cache, and no room to copy
+                # them: the compaction waits for the next step.
                 state.prefill_checked = prefill_checked
-                logger.warning("kv_compress %s: compaction postponed: its blocks are shared and the pool "
-                               "has no room to copy them", rid)
+                logger.warning("kv_compress %s: compaction postponed: its blocks are in the prefix cache and "
+                               "the pool has no room to copy them", rid)
                 continue
             old = state.physical(logical)
             freed = held = 0
