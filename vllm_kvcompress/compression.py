@@ -192,9 +192,10 @@ class RequestCompression:
             return self._shared_selection[1]
         return self._select(layer, keep, keys)
 
-    def _protected(self, keep: int) -> tuple[int, int]:
-        """The scorer's (sinks, recent) at this length; the protected start counts as sinks."""
-        sinks, recent = self.scorer.protected(keep - self.plan.protected_len)
+    def _protected(self, budget: int) -> tuple[int, int]:
+        """The scorer's (sinks, recent) at this budget (tokens after the
+        protected start); the protected start counts as sinks."""
+        sinks, recent = self.scorer.protected(budget)
         return max(sinks, self.plan.protected_len), recent
 
     def _select(self, layer: int, keep: int, keys: torch.Tensor | None) -> torch.Tensor:
@@ -204,7 +205,7 @@ class RequestCompression:
             self._dead_after[layer] = dead if dead.any() else None
             return keep_idx
         scores, positions = self._scores(layer, keys)
-        sinks, recent = self._protected(keep)
+        sinks, recent = self._protected(keep - self.plan.protected_len)
         return select_keep(scores, positions, keep, sinks, recent, self.plan.selection)
 
     def _ranked_counts(self, layer: int, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -212,8 +213,7 @@ class RequestCompression:
         each of its heads keeps, and the layer's fullest head over all ranks."""
         scores, positions = self._scores(layer, keys)
         budget = self.plan.budget
-        sinks, recent = self.scorer.protected(budget)
-        sinks = max(sinks, self.plan.protected_len)
+        sinks, recent = self._protected(budget)
         ranked = rank_scores(scores, positions, sinks, recent, self.plan.selection)
         # One top-k over the layer's heads: the other ranks' heads take part.
         counts = self.plan.allocation.head_counts(self.shard.all_heads(ranked), budget)

@@ -130,6 +130,29 @@ class KeepsRecent(Scorer):
         return max(self.window, 1)
 
 
+class KeepsObservationWindow(Scorer):
+    """A scorer whose observation window (its last `window` queries) is kept
+    whole, and whose scores are pooled over `kernel_size` neighbours (SnapKV,
+    R-KV). Subclasses declare both fields, with their own defaults."""
+
+    window: int
+    kernel_size: int
+
+    def validate(self) -> None:
+        check_at_least("window", self.window, 1)
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        return 0, self.window
+
+    def min_budget(self) -> int:
+        return self.window
+
+    def window_queries(self) -> int:
+        return self.window
+
+
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.reference import reduce_gqa
-from .base import Observation, Observe, Scorer, check_at_least
+from .base import KeepsObservationWindow, Observation, Observe
 from .snapkv import pool_before_window
 
 
 @dataclass(frozen=True)
-class RKV(Scorer):
+class RKV(KeepsObservationWindow):
     name = "rkv"
     observe = Observe.RECENT
     needs_keys = True
@@ -47,22 +47,11 @@ class RKV(Scorer):
         "help": "rkv: key cosine similarity above which two tokens are near-duplicates"})
 
     def validate(self) -> None:
-        check_at_least("window", self.window, 1)
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
+        super().validate()
         if not 0.0 <= self.mix_lambda <= 1.0:
             raise ValueError(f"mix_lambda must be in [0, 1], got {self.mix_lambda}")
         if not -1.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [-1, 1], got {self.threshold}")
-
-    def protected(self, budget: int) -> tuple[int, int]:
-        return 0, self.window
-
-    def min_budget(self) -> int:
-        return self.window
-
-    def window_queries(self) -> int:
-        return self.window
 
     def score(self, obs: Observation) -> torch.Tensor:
         assert obs.keys is not None

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.reference import pool_scores, reduce_gqa
-from .base import Observation, Observe, Scorer, check_at_least, check_choice
+from .base import KeepsObservationWindow, Observation, Observe, check_choice
 
 POOLINGS = ("avg", "max")
 GQA_REDUCTIONS = ("mean", "max")
 
 
 @dataclass(frozen=True)
-class SnapKV(Scorer):
+class SnapKV(KeepsObservationWindow):
     name = "snapkv"
     observe = Observe.WINDOW
 
@@ -25,20 +25,9 @@ class SnapKV(Scorer):
         "help": "how a GQA group's query heads are reduced", "choices": GQA_REDUCTIONS})
 
     def validate(self) -> None:
-        check_at_least("window", self.window, 1)
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd and >= 1, got {self.kernel_size}")
+        super().validate()
         check_choice("pooling", self.pooling, POOLINGS)
         check_choice("gqa_reduce", self.gqa_reduce, GQA_REDUCTIONS)
-
-    def protected(self, budget: int) -> tuple[int, int]:
-        return 0, self.window
-
-    def min_budget(self) -> int:
-        return self.window
-
-    def window_queries(self) -> int:
-        return self.window
 
     def score(self, obs: Observation) -> torch.Tensor:
         assert obs.attention is not None

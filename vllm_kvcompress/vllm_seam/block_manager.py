@@ -160,8 +160,7 @@ class CompressedAttentionManager(FullAttentionManager):
         # first to be reused.
         self.block_pool.free_blocks(reversed(released))
         self.num_evicted[request_id] = logical_len - physical_len
-        self.cacheable[request_id] = min(self.cacheable.get(request_id, first * self.block_size),
-                                         first * self.block_size)
+        self.cacheable[request_id] = first * self.block_size  # the protected start is fixed per request
         return len(released) - (0 if copied is None else len(copied[1])), len(blocks), copied
 
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:

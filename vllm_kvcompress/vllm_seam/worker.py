@@ -67,10 +67,7 @@ class ScoringBatch:
     @classmethod
     def build(cls, requests: list[StepRequest], group: int, device) -> ScoringBatch:
         lens = [len(r.token_idx) for r in requests]
-        width = max(len(r.block_ids[group]) for r in requests)
-        tables = torch.zeros(len(requests), width, dtype=torch.int64)
-        for i, r in enumerate(requests):
-            tables[i, : len(r.block_ids[group])] = r.block_ids[group]
+        tables = _padded([r.block_ids[group] for r in requests])
         seq_lens = [r.seq_lens[group] for r in requests]
         return cls(
             requests=requests,
@@ -181,11 +178,11 @@ class StepObservation:
         r.state.accumulate(layer, total)
 
 
-def _padded(rows: list[list[int]]) -> torch.Tensor:
-    """Block id rows as one [R, widest] table (zero padded)."""
+def _padded(rows) -> torch.Tensor:
+    """Block id rows (lists or tensors) as one [R, widest] table (zero padded)."""
     table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64)
     for i, r in enumerate(rows):
-        table[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+        table[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
     return table
 
 
