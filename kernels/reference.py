@@ -40,6 +40,7 @@ OP_NAMES = (
     "window_scores_batched",
     "accumulate_decode_scores",
     "compact_kv_batched",
+    "merged_attention",
 )
 
 __all__ = [*OP_NAMES, "OP_NAMES", "check_keep_idx", "window_scores", "reduce_gqa", "pool_scores"]
@@ -381,3 +382,64 @@ def compact_kv_batched(
             tail = torch.arange(t, device=dev) >= counts[..., None]  # [R, Hkv, T]
             s.masked_fill_(tail[:, :, None, :], 0.0)
         s[r_idx, h_idx, :, j_idx] = vals
+
+
+# ---------------------------------------------------------------------------------------
+# (d) attention of a MiniCache-merged layer (the upper layer of a merged pair)
+# ---------------------------------------------------------------------------------------
+
+
+def merged_attention(
+    query: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    lower_keys: torch.Tensor,
+    lower_values: torch.Tensor,
+    lower_blocks: torch.Tensor,
+    upper_keys: torch.Tensor,
+    upper_values: torch.Tensor,
+    upper_blocks: torch.Tensor,
+    upper_len: int,
+    retained: int,
+    key_slot: torch.Tensor,
+    key_scale: torch.Tensor,
+    value_slot: torch.Tensor,
+    value_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of one request's queries in the upper layer of a merged pair.
+
+    ``query [n, Hq, D]``; ``q_positions [n]`` each query's slot among the keys below;
+    caches as for :func:`gather_dense`. The keys (values alike) the layer attends, ``T =
+    key_slot.shape[1]`` merged-pair tokens and then the tokens appended since: key ``j <
+    T`` of head ``h`` is the upper cache's slot ``key_slot[h, j]`` when that is ``>= 0``
+    (retained, exact), else ``key_scale[h, j]`` times the lower cache's slot ``j`` (the
+    lower layer stores ``||k_lower|| d_m``, so this is ``||k_upper|| d_m``); key ``j >= T``
+    is the upper cache's slot ``retained + j - T``. ``upper_len``: the slots the upper
+    cache holds. Query ``i`` sees keys ``j <= q_positions[i]``. Returns ``[n, Hq, D]``
+    float32.
+    """
+    from ..merge import restore  # the formula the merge and the reference decoder use
+
+    tokens = key_slot.shape[1]
+    dev = query.device
+    own_k = gather_dense(upper_keys, upper_blocks, upper_len).to(torch.float32)
+    own_v = gather_dense(upper_values, upper_blocks, upper_len).to(torch.float32)
+    keys = torch.cat([restore(gather_dense(lower_keys, lower_blocks, tokens), own_k[:, :retained],
+                              key_slot.to(dev), key_scale.to(dev)), own_k[:, retained:]], dim=1)
+    values = torch.cat([restore(gather_dense(lower_values, lower_blocks, tokens), own_v[:, :retained],
+                                value_slot.to(dev), value_scale.to(dev)), own_v[:, retained:]], dim=1)
+    hkv, total, d = keys.shape
+    n, hq, _ = query.shape
+    out = torch.empty(n, hq, d, dtype=torch.float32, device=dev)
+    key_pos = torch.arange(total, device=dev)
+    step = max(1, _CHUNK_ELEMS // (hq * total))
+    for i in range(0, n, step):
+        q = query[i: i + step].to(torch.float32)
+        m = q.shape[0]
+        # [Hkv, G*m, D] against [Hkv, T, D]: K is never repeated per query head.
+        qg = q.permute(1, 0, 2).reshape(hkv, -1, d)
+        logits = torch.bmm(qg, keys.transpose(1, 2)).view(hq, m, total) * scale
+        hidden = key_pos.view(1, 1, -1) > q_positions[i: i + step].to(dev).view(1, -1, 1)
+        probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
+        out[i: i + step] = torch.bmm(probs.view(hkv, -1, total), values).view(hq, m, d).transpose(0, 1)
+    return out

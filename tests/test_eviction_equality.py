@@ -18,7 +18,7 @@ NEW_TOKENS = 40
 LENGTHS = (200, 97, 150, 30, 260)
 # Per-layer budgets need a grouped engine: tests/test_layer_groups.py.
 POLICY_NAMES = sorted(name for name, c in POLICIES.items()
-                      if name != "none" and c.allocation not in ("pyramid", "adaptive"))
+                      if name != "none" and c.allocation not in ("pyramid", "adaptive") and c.merge == "none")
 
 
 @pytest.fixture(scope="module")

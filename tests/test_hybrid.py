@@ -22,7 +22,7 @@ WINDOW = 64
 FULL_LAYERS = 2
 PER_LAYER_ALLOCATIONS = ("pyramid", "adaptive")
 POLICY_NAMES = sorted(name for name, c in POLICIES.items()
-                      if name != "none" and c.allocation not in PER_LAYER_ALLOCATIONS)
+                      if name != "none" and c.allocation not in PER_LAYER_ALLOCATIONS and c.merge == "none")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ FILLERS = 4
 SINGLE_GROUP = [
     {"policy": name, "budget": 64, "window": 8} if name in ("snapkv", "adakv", "tova", "keyformer", "random")
     else {"policy": name, "budget": 64}
-    for name, c in sorted(POLICIES.items()) if name != "none" and c.allocation not in ("pyramid", "adaptive")
+    for name, c in sorted(POLICIES.items()) if name != "none" and c.allocation not in ("pyramid", "adaptive") and c.merge == "none"
 ] + [
     {"policy": "streamingllm", "budget": 48, "prompt_chunk": 64},
     {"policy": "h2o", "allocation": "per_head", "trigger": "once", "budget": 64},

@@ -10,12 +10,35 @@ cache, the reference's dense tensors) is the caller's business.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from .merge import MergedTensor
 from .plan import CompressionPlan
 from .scorers import Observation, Observe
 from .selection import rank_scores, select_keep, select_keep_per_head
 from .sharding import ONE_DEVICE, HeadShard
+
+
+@dataclass
+class MergedUpper:
+    """What the upper layer of a merged pair needs to attend (see merge.py):
+    its first `tokens` keys and values are the lower layer's first slots,
+    rescaled, except the retained ones, which sit in its own first slots."""
+
+    lower: int  # the pair's lower layer
+    tokens: int  # the pair's tokens at the merge (lower layer slots 0 .. tokens - 1)
+    retained: int  # the upper layer's slots that hold retained tokens (then: tokens appended since)
+    key_slot: torch.Tensor  # [Hkv, tokens] int64: retained slot of the token's key, -1 if merged
+    key_scale: torch.Tensor  # [Hkv, tokens] float32: ||k_upper|| / ||k_lower||
+    value_slot: torch.Tensor
+    value_scale: torch.Tensor
+
+    @classmethod
+    def of(cls, lower: int, key: MergedTensor, value: MergedTensor) -> MergedUpper:
+        return cls(lower=lower, tokens=key.slot.shape[1], retained=key.retained.shape[1], key_slot=key.slot,
+                   key_scale=key.scale, value_slot=value.slot, value_scale=value.scale)
 
 
 class RequestCompression:
@@ -48,6 +71,13 @@ class RequestCompression:
         # of that head (attention masks them); None: every slot is live.
         self.dead: list[torch.Tensor | None] = [None] * num_layers
         self._dead_after: dict[int, torch.Tensor | None] = {}  # selected, not yet compacted
+        # Merge stage: upper layer -> lower layer of each merged pair; a pair
+        # selects once, from its two layers' summed scores (they must keep
+        # the same tokens to merge them), and its upper layer attends through
+        # `merged` once the pair is merged.
+        self.lower_of = {upper: lower for lower, upper in plan.merge.pairs(num_layers)}
+        self._pair_keep: dict[int, torch.Tensor] = {}  # upper -> the pair's selection, not yet compacted
+        self.merged: dict[int, MergedUpper] = {}
 
     # ------------------------------------------------------------ observing
 
@@ -185,12 +215,23 @@ class RequestCompression:
         same tensor for every layer of one compaction (callers reuse what they
         derive from it).
         """
+        if layer in self.lower_of:  # the upper layer of a merged pair: the pair's selection
+            return self._pair_keep.pop(layer)
         if self.scorer.same_in_every_layer and not self.plan.allocation.per_head:
             key = (self.num_compressions, keep)
             if self._shared_selection[0] != key:
                 self._shared_selection = (key, self._select(layer, keep, keys))
-            return self._shared_selection[1]
-        return self._select(layer, keep, keys)
+            keep_idx = self._shared_selection[1]
+        else:
+            keep_idx = self._select(layer, keep, keys)
+        upper = self._upper_of(layer)
+        if upper is not None:
+            self._pair_keep[upper] = keep_idx
+        return keep_idx
+
+    def _upper_of(self, layer: int) -> int | None:
+        """The upper layer of the merged pair whose lower layer this is."""
+        return layer + 1 if self.lower_of.get(layer + 1) == layer else None
 
     def _protected(self, budget: int) -> tuple[int, int]:
         """The scorer's (sinks, recent) at this budget (tokens after the
@@ -205,6 +246,9 @@ class RequestCompression:
             self._dead_after[layer] = dead if dead.any() else None
             return keep_idx
         scores, positions = self._scores(layer, keys)
+        upper = self._upper_of(layer)
+        if upper is not None:  # one selection for the pair, from both layers' scores
+            scores = scores + self._scores(upper)[0]
         sinks, recent = self._protected(keep - self.plan.protected_len)
         return select_keep(scores, positions, keep, sinks, recent, self.plan.selection)
 

@@ -21,21 +21,23 @@ from pathlib import Path
 from typing import Any
 
 from .budgets import ALLOCATIONS
+from .merge import MERGES
 from .registry import POLICIES, Components, component_classes
 from .scorers import SCORERS, Observe
 from .selection import SELECTIONS
 from .triggers import TRIGGERS
 
 CONFIG_KEY = "kv_compress"  # key inside vLLM's additional_config / extra_args
-COMMON_FIELDS = ("policy", "allocation", "trigger", "selection", "budget", "compression_ratio", "interval",
+COMMON_FIELDS = ("policy", "allocation", "trigger", "selection", "merge", "budget", "compression_ratio", "interval",
                  "layer_groups")
-COMPONENT_FIELDS = ("allocation", "trigger", "selection")  # replace the policy's own component
+COMPONENT_FIELDS = ("allocation", "trigger", "selection", "merge")  # replace the policy's own component
 ENGINE_FIELDS = ("layer_groups",)  # fixed at startup: a request cannot change them
 # Common fields other than `policy`, with their types (None when not given).
-_OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "selection": str, "budget": int,
+_OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "selection": str, "merge": str, "budget": int,
                                      "compression_ratio": float, "interval": int, "layer_groups": int}
-_CHOICES: dict[str, Mapping[str, type]] = {"allocation": ALLOCATIONS, "trigger": TRIGGERS, "selection": SELECTIONS}
-_COMPONENT_REGISTRIES = (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS)
+_CHOICES: dict[str, Mapping[str, type]] = {"allocation": ALLOCATIONS, "trigger": TRIGGERS, "selection": SELECTIONS,
+                                           "merge": MERGES}
+_COMPONENT_REGISTRIES = (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS, MERGES)
 
 
 # Short names accepted for fields (the CLI flag is --kv-compress-ratio).
@@ -51,9 +53,9 @@ def _fail(name: str, problem: str) -> KVCompressConfigError:
 
 
 def composition_params(policy: str, allocation: str | None = None, trigger: str | None = None,
-                       selection: str | None = None) -> dict[str, dataclasses.Field]:
-    """The parameters (dataclass fields) of a policy's scorer, allocation, trigger and selection."""
-    classes = component_classes(policy, allocation, trigger, selection)
+                       selection: str | None = None, merge: str | None = None) -> dict[str, dataclasses.Field]:
+    """The parameters (dataclass fields) of a policy's scorer, allocation, trigger, selection and merge."""
+    classes = component_classes(policy, allocation, trigger, selection, merge)
     return {f.name: f for cls in classes for f in dataclasses.fields(cls)}
 
 
@@ -98,11 +100,12 @@ class KVCompressConfig:
     """How a request's KV cache is compressed."""
 
     policy: str = "none"
-    # Overrides of the policy's budget allocation, trigger and selection
-    # modifier (None: the policy's own).
+    # Overrides of the policy's budget allocation, trigger, selection
+    # modifier and merge stage (None: the policy's own).
     allocation: str | None = None
     trigger: str | None = None
     selection: str | None = None
+    merge: str | None = None
     # Tokens kept per (layer, KV head) on average, protected ones included.
     budget: int | None = None
     # kvpress convention: the fraction removed (0.75 keeps 25% of the prompt).
@@ -280,6 +283,14 @@ class KVCompressConfig:
             if self.compression_ratio is not None:
                 raise _fail("compression_ratio", "trigger 'decode' keeps the prompt whole; give budget, the "
                                                  "generated tokens kept")
+        if parts.merge.merges:
+            self._check_merge(parts)
+        if not scorer.evicts:
+            if self.budget is not None or self.compression_ratio is not None:
+                name = "budget" if self.budget is not None else "compression_ratio"
+                raise _fail(name, f"policy {self.policy!r} evicts nothing (it only merges); to evict, then "
+                                  f"merge, choose an evicting policy with merge {parts.merge.name!r} (e.g. snapkv)")
+            return
         if (self.budget is None) == (self.compression_ratio is None):
             raise _fail(
                 "budget",
@@ -294,6 +305,24 @@ class KVCompressConfig:
                 f">= {scorer.min_budget()} or shrink the protected tokens",
             )
 
+    def _check_merge(self, parts: Components) -> None:
+        merge = parts.merge.name
+        if parts.trigger.name != "once":
+            raise _fail("trigger", f"merge {merge!r} merges the prompt's KV once, at prefill end; valid with it: "
+                                   f"['once'], not {parts.trigger.name!r}")
+        if parts.allocation.name != "uniform":
+            raise _fail("allocation", f"merge {merge!r} merges the two layers of a pair token by token, so they "
+                                      f"keep the same tokens; valid with it: ['uniform'], not "
+                                      f"{parts.allocation.name!r}")
+        if parts.scorer.needs_keys:
+            raise _fail("merge", f"scorer {parts.scorer.name!r} reads each layer's keys to select, and merge "
+                                 f"{merge!r} selects once per pair of layers; valid with it: scorers that read "
+                                 f"attention or positions (snapkv, h2o, tova, streamingllm, ...)")
+        if self.num_layer_groups == 1:
+            raise _fail("layer_groups", f"merge {merge!r} gives the upper layer of each merged pair its own, "
+                                        f"smaller block table: start the engine with --kv-compress-layer-groups "
+                                        f"set to the number of layers (one group each)")
+
     # ------------------------------------------------------------ using
 
     @property
@@ -306,7 +335,7 @@ class KVCompressConfig:
 
     def components(self) -> Components | None:
         """The scorer, allocation and trigger with their parameters (None: compression off)."""
-        classes = component_classes(self.policy, self.allocation, self.trigger, self.selection)
+        classes = component_classes(self.policy, self.allocation, self.trigger, self.selection, self.merge)
         if not classes:
             return None
         params = {**POLICIES[self.policy].defaults, **self.params}
@@ -326,7 +355,8 @@ class KVCompressConfig:
         """Tokens kept for a request with `prompt_len` prompt tokens."""
         if self.budget is not None:
             return self.budget
-        assert self.compression_ratio is not None
+        if self.compression_ratio is None:  # a scorer that evicts nothing
+            return max(prompt_len, min_budget)
         removed = math.floor(prompt_len * self.compression_ratio)
         return max(prompt_len - removed, min_budget)
 

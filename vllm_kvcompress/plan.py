@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from .budgets import Allocation
 from .config import KVCompressConfig
+from .merge import Merge, NoMerge
 from .scorers import Scorer
 from .selection import Selection
 from .triggers import Trigger
@@ -41,11 +42,15 @@ class CompressionPlan:
     # served from vLLM's prefix cache (their blocks may be shared, so they are
     # never rewritten), or the whole prompt under a trigger that keeps it.
     protected_len: int = 0
+    # Merged pairs' upper layers hold `merge.retained(kept)` slots (their layer
+    # budgets here); their attention reads the lower layer's slots.
+    merge: Merge = NoMerge()
 
     @property
     def compresses_prompt(self) -> bool:
-        """Whether the prompt outgrows its budget (a prompt within budget is never compressed)."""
-        return self.prompt_len > self.protected_len + self.budget
+        """Whether the prompt outgrows its budget or merges (a prompt within
+        budget that does not merge is never compressed)."""
+        return self.prompt_len > self.protected_len + self.budget or self.merge.merges
 
 
 def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, block_size: int,
@@ -65,12 +70,18 @@ def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, blo
     if parts.allocation.from_attention:
         layer_budgets = [budget] * num_layers
     else:
-        layer_budgets = parts.allocation.layer_budgets(budget, num_layers, compressible, min_budget)
+        layer_budgets = list(parts.allocation.layer_budgets(budget, num_layers, compressible, min_budget))
+    if parts.merge.merges:
+        # A merged pair keeps one token set (the lower layer's budget); its
+        # upper layer holds only the retained tokens.
+        kept = min(budget, prompt_len - protected)
+        for _, upper in parts.merge.pairs(num_layers):
+            layer_budgets[upper] = parts.merge.retained(kept)
     return CompressionPlan(
         scorer=parts.scorer, allocation=parts.allocation, trigger=parts.trigger, selection=parts.selection,
         prompt_len=prompt_len,
         budget=budget, layer_budgets=tuple(layer_budgets), interval=config.interval or block_size,
-        protected_len=protected,
+        protected_len=protected, merge=parts.merge,
     )
 
 

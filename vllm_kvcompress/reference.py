@@ -10,17 +10,20 @@ observes, fed to the same `RequestCompression` bookkeeping the worker uses.
 Compressions happen exactly when the planner says (the scheduler's state
 machine), so greedy tokens must equal vLLM's with the plugin.
 
-It shares with the engine only the plan, the scorers' math, the selection
-and the planner; attention, attention scores, RoPE, caching and compaction are
-independent code.
+It shares with the engine only the plan, the scorers' math, the selection,
+the merge formulas (merge.py) and the planner; attention, attention scores,
+RoPE, caching and compaction are independent code. A merged pair's upper
+layer keeps its restored keys and values densely, the engine's reads the
+lower layer's paged slots.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .compression import RequestCompression
+from .compression import MergedUpper, RequestCompression
 from .config import KVCompressConfig
+from .merge import restore
 from .plan import resolve_plan
 from .planner import RequestState, layer_groups
 
@@ -122,6 +125,22 @@ class ReferenceDecoder:
         empty = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.model.dtype)
         return [(empty, empty) for _ in range(self.num_layers)]
 
+    def _merge(self, cache, state: RequestCompression, merge) -> None:
+        """MiniCache over the compacted pairs: the lower layer keeps its stored
+        (merged or exact) vectors; the upper layer's dense cache becomes what
+        its attention reads, the restored vectors."""
+        model_layer = {c: layer for layer, c in self.compressed.items()}
+        for upper, lower in state.lower_of.items():
+            (k_lo, v_lo), (k_up, v_up) = cache[model_layer[lower]], cache[model_layer[upper]]
+            key, value = merge.merge_pair((k_lo, v_lo), (k_up, v_up))
+            dtype = k_lo.dtype
+            stored_k, stored_v = key.lower.to(dtype), value.lower.to(dtype)
+            cache[model_layer[lower]] = (stored_k, stored_v)
+            cache[model_layer[upper]] = (
+                restore(stored_k, key.retained.to(dtype), key.slot, key.scale).to(dtype),
+                restore(stored_v, value.retained.to(dtype), value.slot, value.scale).to(dtype))
+            state.merged[upper] = MergedUpper.of(lower, key, value)
+
     # ------------------------------------------------------------ decoding
 
     def generate(
@@ -163,6 +182,8 @@ class ReferenceDecoder:
                 idx = keep.unsqueeze(-1).expand(-1, -1, self.head_dim)
                 cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
                 state.compact(c, keep)
+            if state.lower_of and not state.merged:
+                self._merge(cache, state, state.plan.merge)
             state.finish_compaction()
             plan.commit(logical, targets)
             lengths.append(targets[0] if len(targets) == 1 else targets)

@@ -1,10 +1,10 @@
-"""Policy names -> compositions of a scorer, a budget allocation, a trigger and
-a selection modifier.
+"""Policy names -> compositions of a scorer, a budget allocation, a trigger,
+a selection modifier and a merge stage.
 
-Each name is what the papers call a method; any entry's allocation, trigger
-and selection can be swapped per engine or request (`allocation`, `trigger`,
-`selection` fields), e.g. h2o with per-head budgets, tova with a pyramid,
-snapkv with span carry.
+Each name is what the papers call a method; any entry's allocation, trigger,
+selection and merge can be swapped per engine or request (`allocation`,
+`trigger`, `selection`, `merge` fields), e.g. h2o with per-head budgets, tova
+with a pyramid, snapkv with span carry, snapkv then MiniCache.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .budgets import ALLOCATIONS, Allocation
+from .merge import MERGES, Merge
 from .scorers import SCORERS, Scorer
 from .selection import SELECTIONS, Selection
 from .triggers import TRIGGERS, Trigger
@@ -27,6 +28,7 @@ class Composition:
     allocation: str = "uniform"
     trigger: str = "once"
     selection: str = "top"
+    merge: str = "none"
     defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -43,6 +45,8 @@ POLICIES: dict[str, Composition] = {
     "window": Composition("streamingllm", trigger="rolling", defaults={"sink_tokens": 0}),
     "random": Composition("random", trigger="rolling"),
     "rkv": Composition("rkv", trigger="decode"),
+    # Nothing evicted: the prompt's KV merged across depth at prefill end.
+    "minicache": Composition("keep_all", merge="minicache"),
 }
 
 
@@ -54,13 +58,15 @@ class Components:
     allocation: Allocation
     trigger: Trigger
     selection: Selection
+    merge: Merge
 
 
 def component_classes(policy: str, allocation: str | None, trigger: str | None,
-                      selection: str | None = None) -> list[type]:
-    """The scorer, allocation, trigger and selection classes of a policy with these overrides."""
+                      selection: str | None = None, merge: str | None = None) -> list[type]:
+    """The scorer, allocation, trigger, selection and merge classes of a policy with these overrides."""
     composition = POLICIES[policy]
     if composition.scorer is None:
         return []
     return [SCORERS[composition.scorer], ALLOCATIONS[allocation or composition.allocation],
-            TRIGGERS[trigger or composition.trigger], SELECTIONS[selection or composition.selection]]
+            TRIGGERS[trigger or composition.trigger], SELECTIONS[selection or composition.selection],
+            MERGES[merge or composition.merge]]

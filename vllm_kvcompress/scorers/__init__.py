@@ -2,6 +2,7 @@
 
 from .base import LogitsNoise, Observation, Observe, Scorer, hash_uniform
 from .h2o import H2O
+from .keep_all import KeepAll
 from .keyformer import Keyformer
 from .random import Random
 from .rkv import RKV
@@ -9,6 +10,7 @@ from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 from .tova import TOVA
 
-SCORERS: dict[str, type[Scorer]] = {cls.name: cls for cls in (SnapKV, H2O, TOVA, Keyformer, StreamingLLM, Random, RKV)}
+SCORERS: dict[str, type[Scorer]] = {cls.name: cls for cls in (SnapKV, H2O, TOVA, Keyformer, StreamingLLM, Random, RKV,
+                                                                KeepAll)}
 
 __all__ = ["SCORERS", "LogitsNoise", "Observation", "Observe", "Scorer", "hash_uniform"]

@@ -83,6 +83,8 @@ class Scorer:
     same_for_every_head: ClassVar[bool] = False
     # score() reads the cached keys (`Observation.keys`).
     needs_keys: ClassVar[bool] = False
+    # False: keeps every token (a composition that only merges); no budget.
+    evicts: ClassVar[bool] = True
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""

@@ -4,7 +4,9 @@ vLLM's attention kernels do not return attention probabilities, so after the
 regular forward the queries a policy observes are scored against the request's
 cached keys (read back through the block table). Nor do they take a length
 per KV head: requests whose heads keep different counts get their rows redone
-with those heads' evicted slots masked. One subclass per supported
+with those heads' evicted slots masked; and the upper layer of a MiniCache
+pair reads most of its keys and values from the lower layer's cache, so
+its rows are redone too. One subclass per supported
 backend, registered under the backend's own name so vLLM picks it as usual:
 CPU_ATTN on CPU, FLASH_ATTN on CUDA.
 """
@@ -19,7 +21,8 @@ from . import worker
 
 class ObserveQueries:
     """Attention impl mixin: after the forward, mask per-head evicted slots
-    (rows redone in torch) and score the step's observed queries."""
+    and redo merged layers' rows (kernel ops), and score the step's observed
+    queries."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(  # type: ignore[misc]  # a mixin before vLLM's impl class
@@ -27,6 +30,7 @@ class ObserveQueries:
         step = worker.active_observation()
         if step is not None and attn_metadata is not None:
             step.mask_heads(layer.layer_name, query, kv_cache, output)
+            step.attend_merged(layer.layer_name, query, kv_cache, output)
             step.observe(layer.layer_name, query, kv_cache)
         return output
 

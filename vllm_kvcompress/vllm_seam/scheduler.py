@@ -49,6 +49,11 @@ class KVCompressScheduler(Scheduler):
                 f"this model has {len(self.kvc_layers.vllm_groups)}"
             )
         self.kvc_group_of_layer = list(self.kvc_layers.group_of_layer)
+        parts = self.kvc_config.components()
+        if parts is not None and parts.merge.merges:
+            problem = self._merge_problem(parts.merge)
+            if problem is not None:
+                raise KVCompressConfigError(f"kv_compress.merge: {problem}")
         self.kvc_block_size = groups[self.kvc_layers.vllm_groups[0]].kv_cache_spec.block_size
         self.kvc_states: dict[str, RequestState] = {}
         # Prompt tokens served from the prefix cache when each request was
@@ -110,6 +115,11 @@ class KVCompressScheduler(Scheduler):
                 logger.warning("kv_compress %s: runs uncompressed: allocation 'per_head' cannot keep its %d "
                                "prefix-cached tokens whole", rid, cached)
                 plan = None
+            if plan is not None and plan.merge.merges:
+                problem = "prefix-cached tokens cannot be rewritten" if cached else self._merge_problem(plan.merge)
+                if problem is not None:
+                    logger.warning("kv_compress %s: runs uncompressed: merge %r: %s", rid, plan.merge.name, problem)
+                    plan = None
             self._kvc_pending_cached[rid] = cached
             state = RequestState.create(plan, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
@@ -120,6 +130,20 @@ class KVCompressScheduler(Scheduler):
             prefilled = max(request.num_prompt_tokens, request.num_tokens - 1)  # a resumed one's outputs too
             self.kvc_stats.start(request.request_id, prefilled, config.policy)
         return state
+
+    def _merge_problem(self, merge) -> str | None:
+        """Why this engine cannot merge layer pairs (None: it can)."""
+        layers = len(self.kvc_group_of_layer)
+        if self.kvc_layers.num_vllm_groups != len(self.kvc_layers.vllm_groups):
+            return "a hybrid model's full-attention layers are not adjacent in depth (only models whose " \
+                   "layers all use full attention merge)"
+        if len(self.kvc_layers.vllm_groups) != layers:
+            return f"needs one KV cache group per layer (--kv-compress-layer-groups {layers}), the engine has " \
+                   f"{len(self.kvc_layers.vllm_groups)}"
+        if not merge.pairs(layers):
+            return f"start_layer {merge.start_layer} leaves no pair of layers to merge in a {layers}-layer model; " \
+                   f"valid values: -1 (half the depth) or 0 .. {layers - 2}"
+        return None
 
     def _plan_compressions(self) -> list[Compaction]:
         ops = []

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..cache_layout import LAYOUTS
-from ..compression import RequestCompression
+from ..compression import MergedUpper, RequestCompression
 from ..config import CONFIG_KEY, KVCompressConfig
 from ..kernels import get_ops
 from ..plan import BUDGETS_ATTR, PLAN_ATTR, Compaction, ReportedBudgets, StepPlan
@@ -88,6 +88,7 @@ class StepObservation:
         self.worker = worker
         self.observed: list[StepRequest] = []  # the queries a scorer observes
         self.masked: list[StepRequest] = []  # all queries of requests with per-head budgets
+        self.merged: list[StepRequest] = []  # all queries of requests with merged layer pairs
         self._batches: dict[int, ScoringBatch | None] = {}
         self.layers_seen = 0
 
@@ -127,6 +128,37 @@ class StepObservation:
                 out = torch.bmm(torch.softmax(logits, dim=-1), values)  # [Hkv, G*n, D]
                 out = out.view(hq, n, -1).transpose(0, 1).reshape(n, -1)
                 rows[r.token_idx[sl].to(rows.device)] = out.to(rows.dtype)
+
+    def attend_merged(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor,
+                      output: torch.Tensor) -> None:
+        """Redo the upper layer of a merged pair for the requests merged in it.
+
+        Its own KV cache group holds only its retained tokens and the tokens
+        appended since; the merged ones it reads from the lower layer's slots,
+        rescaled (merge.py). vLLM's pass over its own slots is overwritten.
+        """
+        worker = self.worker
+        layer = worker.layer_of.get(layer_name)
+        if layer is None:
+            return
+        rows = output.view(output.shape[0], -1)
+        upper_keys, upper_values = worker.views(kv_cache)
+        for r in self.merged:
+            m = r.state.merged.get(layer)
+            if m is None:
+                continue
+            lower_keys, lower_values = worker.views(worker.layers[m.lower].kv_cache)
+            g_lo, g_up = worker.group_of_layer[m.lower], worker.group_of_layer[layer]
+            if r.seq_lens[g_lo] - m.tokens != r.seq_lens[g_up] - m.retained:
+                raise RuntimeError(f"kv_compress: request {r.request_id} merged layers {m.lower} and {layer} "
+                                   f"hold {r.seq_lens[g_lo]} and {r.seq_lens[g_up]} slots")
+            device = kv_cache.device
+            out = worker.ops.merged_attention(
+                query[r.token_idx.to(query.device)], r.q_physical[g_lo].to(device), worker.scales[layer],
+                lower_keys, lower_values, r.block_ids[g_lo].to(device),
+                upper_keys, upper_values, r.block_ids[g_up].to(device), r.seq_lens[g_up], m.retained,
+                m.key_slot, m.key_scale, m.value_slot, m.value_scale)
+            rows[r.token_idx.to(rows.device)] = out.reshape(len(r.token_idx), -1).to(rows.dtype)
 
     def observe(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         worker = self.worker
@@ -194,6 +226,22 @@ def _copy_indices(keep: torch.Tensor, first: int, fresh: int) -> torch.Tensor:
     if first and not bool((keep[:, :first] == torch.arange(first)).all()):
         raise RuntimeError("kv_compress: a compaction would move tokens of the protected start")
     return keep[:, first:] - first + fresh
+
+
+def _kept_dense(ops, view: torch.Tensor, row: torch.Tensor, length: int, keep: torch.Tensor) -> torch.Tensor:
+    """The kept tokens [Hkv, K, D] of one request's layer, in the order `keep` [Hkv, K] lists them."""
+    dense = ops.gather_dense(view, row, length)
+    return torch.gather(dense, 1, keep.to(dense.device).unsqueeze(-1).expand(-1, -1, dense.shape[-1]))
+
+
+def _write_slots(key_view: torch.Tensor, value_view: torch.Tensor, row, keys: torch.Tensor,
+                 values: torch.Tensor) -> None:
+    """Write [Hkv, n, D] keys and values into slots 0..n-1 of a request's blocks `row`."""
+    n, block = keys.shape[1], key_view.shape[1]
+    slots = torch.arange(n, device=key_view.device)
+    blocks = torch.as_tensor(row, dtype=torch.int64).to(key_view.device)[slots // block]
+    key_view[blocks, slots % block] = keys.transpose(0, 1).to(key_view.dtype)
+    value_view[blocks, slots % block] = values.transpose(0, 1).to(value_view.dtype)
 
 
 def _causal_logits(query: torch.Tensor, keys: torch.Tensor, q_phys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -409,6 +457,11 @@ class WorkerCompression:
                     copied[i, g] = (first * bs, len(fresh) * bs)
             tables[g] = _padded(rows).to(device)
             op_tables[g] = tables[g] if not any(k[1] == g for k in copied) else _padded(op_rows).to(device)
+        # MiniCache pairs merge at their first compaction: both layers of a
+        # pair leave the batched op, and are written once both are selected.
+        merging = [{layer for pair in state.lower_of.items() for layer in pair} if not state.merged else set()
+                   for state in states]
+        lower_kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(self.num_layers):
             g = self.group_of_layer[layer]
             keys, values = self.views(self.layers[layer].kv_cache)
@@ -417,13 +470,27 @@ class WorkerCompression:
                                   self.ops.gather_dense(keys, tables[g][i], c.old_lengths[g])
                                   if state.scorer.needs_keys else None)
                      for i, (c, state) in enumerate(zip(compactions, states))]
-            op_keeps = [_copy_indices(k, *copied[i, g]) if (i, g) in copied else k for i, k in enumerate(keeps)]
-            width = max(k.shape[1] for k in op_keeps)
-            keep_idx = torch.zeros(len(op_keeps), self.num_kv_heads, width, dtype=torch.int64)
-            for i, k in enumerate(op_keeps):
-                keep_idx[i, :, : k.shape[1]] = k
-            counts = torch.tensor([[k.shape[1]] * self.num_kv_heads for k in op_keeps], dtype=torch.int64)
-            self.ops.compact_kv_batched(keys, values, op_tables[g], keep_idx.to(device), counts.to(device))
+            batch = [i for i in range(len(keeps)) if layer not in merging[i]]
+            if batch:
+                op_keeps = [_copy_indices(keeps[i], *copied[i, g]) if (i, g) in copied else keeps[i] for i in batch]
+                width = max(k.shape[1] for k in op_keeps)
+                keep_idx = torch.zeros(len(op_keeps), self.num_kv_heads, width, dtype=torch.int64)
+                for j, k in enumerate(op_keeps):
+                    keep_idx[j, :, : k.shape[1]] = k
+                counts = torch.tensor([[k.shape[1]] * self.num_kv_heads for k in op_keeps], dtype=torch.int64)
+                table = op_tables[g] if len(batch) == len(keeps) else op_tables[g][torch.tensor(batch, device=device)]
+                self.ops.compact_kv_batched(keys, values, table, keep_idx.to(device), counts.to(device))
+            for i in range(len(keeps)):
+                if layer not in merging[i]:
+                    continue
+                kept = (_kept_dense(self.ops, keys, tables[g][i], compactions[i].old_lengths[g], keeps[i]),
+                        _kept_dense(self.ops, values, tables[g][i], compactions[i].old_lengths[g], keeps[i]))
+                lower = states[i].lower_of.get(layer)
+                if lower is None:
+                    lower_kept[i, layer] = kept
+                else:
+                    self._merge_pair(compactions[i], states[i], lower, layer, lower_kept.pop((i, lower)), kept,
+                                     group_ids[i])
             for state, k in zip(states, keeps):
                 state.compact(layer, k)
         for c, state, ids in zip(compactions, states, group_ids):
@@ -438,6 +505,30 @@ class WorkerCompression:
                     table = self.runner.input_batch.block_table[self.vllm_groups[g]]
                     table.clear_row(row)
                     table.add_row(ids[g], row)
+
+    def _merge_pair(self, c: Compaction, state: RequestCompression, lower: int, upper: int,
+                    lower_kv: tuple[torch.Tensor, torch.Tensor], upper_kv: tuple[torch.Tensor, torch.Tensor],
+                    ids: list[list[int]]) -> None:
+        """MiniCache on one pair of a compaction: the lower layer's first
+        slots get the stored (merged or exact) vectors, the upper layer's
+        first ones its retained exact vectors (merge.py).
+
+        `*_kv`: the pair's kept tokens [Hkv, T, D] in their new slot order,
+        read before anything was written; `ids`: the request's block ids per
+        group before this compaction (a group that copies writes to its fresh blocks).
+        """
+        g_lo, g_up = self.group_of_layer[lower], self.group_of_layer[upper]
+        key, value = state.plan.merge.merge_pair(lower_kv, upper_kv)
+        tokens, retained = key.slot.shape[1], key.retained.shape[1]
+        if tokens != c.new_lengths[g_lo] or retained != c.new_lengths[g_up]:
+            raise RuntimeError(f"kv_compress: request {c.request_id} merges {tokens} tokens ({retained} retained) "
+                               f"of layers {lower} and {upper}, scheduler planned {c.new_lengths[g_lo]} and "
+                               f"{c.new_lengths[g_up]} slots")
+        for layer, g, k, v in ((lower, g_lo, key.lower, value.lower), (upper, g_up, key.retained, value.retained)):
+            copy = c.copies[g] if c.copies else None
+            row = ids[g] if copy is None else ids[g][: copy[0]] + list(copy[1])
+            _write_slots(*self.views(self.layers[layer].kv_cache), row, k, v)
+        state.merged[upper] = MergedUpper.of(lower, key, value)
 
     # ------------------------------------------------------------ _prepare_inputs
 
@@ -483,7 +574,9 @@ class WorkerCompression:
                 step.observed.append(self._step_request(rid, state, sl, observed, q_log, physical))
             if any(d is not None for d in state.dead):
                 step.masked.append(self._step_request(rid, state, sl, slice(None), q_log, physical))
-        set_active(step if step.observed or step.masked else None)
+            if state.merged:
+                step.merged.append(self._step_request(rid, state, sl, slice(None), q_log, physical))
+        set_active(step if step.observed or step.masked or step.merged else None)
 
     def _step_request(self, rid: str, state: RequestCompression, sl: slice, mask, q_log, physical) -> StepRequest:
         """A request's selected queries in this step."""
