@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import BLOCK_SIZE, engine_kwargs, random_prompts
+from helpers import BLOCK_SIZE, Engine, engine_kwargs, random_prompts
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.merge import MiniCache, merge_tensor, restore
 from vllm_kvcompress.planner import cdiv
@@ -30,8 +30,17 @@ def reference(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def per_layer(start_engine, tiny_model):
-    return start_engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS))
+def per_layer(tiny_model):
+    """In this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): `step()` is one
+    scheduler step, and the pool can be read between steps."""
+    import vllm.envs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        engine = Engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS))
+        yield engine
+        engine.close()
+    vllm.envs.disable_envs_cache()  # the in-process engine cached the environment
 
 
 def finished_by_length(engine) -> dict[int, dict]:
@@ -85,3 +94,114 @@ def test_merging_changes_the_answer_and_retaining_everything_does_not(per_layer)
     merged = per_layer.generate(prompts, NEW_TOKENS, [{"policy": "minicache", "start_layer": 0,
                                                        "retain_ratio": 0.0}] * 2)
     assert merged != plain  # the merge really changes the cache the model reads
+
+
+def test_merged_pair_holds_its_blocks_mid_request_and_gives_them_back_on_abort(per_layer):
+    """After prefill every layer holds the prompt; the step that merges gives
+    the upper layer's blocks back (it keeps its retained tokens), the next
+    steps hold what the design says, and an abort returns everything."""
+    from vllm import SamplingParams
+
+    core = per_layer.llm.llm_engine
+    free = per_layer.stats()["free_blocks"]
+    assert free == per_layer.stats()["total_blocks"]
+    (prompt,) = random_prompts((300,), seed=71)
+    config = {"policy": "snapkv", "merge": "minicache", "budget": 128, "window": 16, "retain_ratio": 0.2}
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, extra_args={"kv_compress": config})
+    core.add_request("merged", {"prompt_token_ids": prompt}, params)
+    core.step()  # prefill: 10 blocks in each of the 4 layers' groups
+    assert per_layer.stats()["free_blocks"] == free - NUM_LAYERS * cdiv(300, BLOCK_SIZE)
+    core.step()  # evict to 128 tokens, merge layers 2 and 3 (26 retained), decode one token
+    held = [cdiv(128 + 1, BLOCK_SIZE)] * 3 + [cdiv(26 + 1, BLOCK_SIZE)]
+    assert per_layer.stats()["free_blocks"] == free - sum(held)
+    for _ in range(40):
+        core.step()
+    held = [cdiv(128 + 41, BLOCK_SIZE)] * 3 + [cdiv(26 + 41, BLOCK_SIZE)]
+    assert per_layer.stats()["free_blocks"] == free - sum(held)
+    core.abort_request(["merged"])
+    core.step()
+    assert not core.has_unfinished_requests()
+    assert per_layer.stats()["free_blocks"] == free
+
+
+# ------------------------------------------------------------------ the math, without vLLM
+
+
+def slerp_by_hand(a: torch.Tensor, b: torch.Tensor, t: float) -> torch.Tensor:
+    """methods.md's SLERP of one pair of rows, written out."""
+    u1, u2 = a / a.norm(), b / b.norm()
+    omega = torch.arccos(torch.clamp(u1 @ u2, -1, 1))
+    if omega < 1e-7:
+        m = (1 - t) * u1 + t * u2
+        return m / m.norm()
+    return (torch.sin((1 - t) * omega) * u1 + torch.sin(t * omega) * u2) / torch.sin(omega)
+
+
+def test_merge_tensor_follows_methods_md():
+    gen = torch.Generator().manual_seed(0)
+    lower, upper = torch.randn(2, 40, 8, generator=gen), torch.randn(2, 40, 8, generator=gen)
+    upper[0, 3] = 2.5 * lower[0, 3]  # parallel: the normalised linear interpolation
+    merged = merge_tensor(lower, upper, 0.6, 4)
+    for h in range(2):
+        angles = torch.stack([torch.arccos(torch.clamp((lower[h, i] / lower[h, i].norm())
+                                                       @ (upper[h, i] / upper[h, i].norm()), -1, 1))
+                              for i in range(40)])
+        chosen = sorted(angles.topk(4).indices.tolist())
+        assert (merged.slot[h] >= 0).nonzero().flatten().tolist() == chosen
+        assert merged.slot[h, chosen].tolist() == [0, 1, 2, 3]
+        for i in range(40):
+            if i in chosen:  # retained: both layers exact
+                torch.testing.assert_close(merged.lower[h, i], lower[h, i])
+                torch.testing.assert_close(merged.retained[h, chosen.index(i)], upper[h, i])
+            else:  # merged: one direction, each layer's own norm
+                d = slerp_by_hand(lower[h, i], upper[h, i], 0.6)
+                torch.testing.assert_close(merged.lower[h, i], lower[h, i].norm() * d)
+                torch.testing.assert_close(merged.scale[h, i], upper[h, i].norm() / lower[h, i].norm())
+    restored = restore(merged.lower, merged.retained, merged.slot, merged.scale)
+    for h, i in ((0, 3), (1, 7)):
+        if merged.slot[h, i] < 0:
+            torch.testing.assert_close(restored[h, i], upper[h, i].norm() * slerp_by_hand(lower[h, i], upper[h, i],
+                                                                                          0.6))
+    torch.testing.assert_close(restored[0, 3], upper[0, 3])  # parallel, same direction: exact
+    everything = merge_tensor(lower, upper, 0.6, 40)
+    torch.testing.assert_close(everything.lower, lower)
+    torch.testing.assert_close(restore(everything.lower, everything.retained, everything.slot, everything.scale),
+                               upper)
+
+
+def test_slerp_commutes_with_a_rotation_applied_to_both():
+    """Why post-RoPE keys can be merged: rotating both inputs rotates the result."""
+    gen = torch.Generator().manual_seed(1)
+    lower, upper = torch.randn(1, 5, 6, generator=gen), torch.randn(1, 5, 6, generator=gen)
+    rotation, _ = torch.linalg.qr(torch.randn(6, 6, generator=gen))
+    plain = merge_tensor(lower, upper, 0.3, 0)
+    rotated = merge_tensor(lower @ rotation, upper @ rotation, 0.3, 0)
+    torch.testing.assert_close(rotated.lower, plain.lower @ rotation, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rotated.scale, plain.scale)
+
+
+def test_pairs_and_retained_counts():
+    assert MiniCache().pairs(30) == tuple((lo, lo + 1) for lo in range(15, 29, 2))
+    assert MiniCache(start_layer=0).pairs(4) == ((0, 1), (2, 3))
+    assert MiniCache().pairs(5) == ((2, 3),)
+    assert MiniCache(start_layer=3).pairs(4) == ()
+    assert [MiniCache(retain_ratio=0.05).retained(n) for n in (100, 101, 20, 0)] == [5, 6, 1, 0]
+    assert MiniCache(retain_ratio=1.0).retained(77) == 77
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"policy": "minicache"}, "layer_groups"),
+    ({"policy": "minicache", "layer_groups": 4, "budget": 64}, "budget"),
+    ({"policy": "minicache", "layer_groups": 4, "retain_ratio": 1.5}, "retain_ratio"),
+    ({"policy": "minicache", "layer_groups": 4, "t": -0.1}, "t"),
+    ({"policy": "minicache", "layer_groups": 4, "start_layer": -2}, "start_layer"),
+    ({"policy": "h2o", "merge": "minicache", "budget": 64, "layer_groups": 4}, "trigger"),
+    ({"policy": "pyramidkv", "merge": "minicache", "budget": 64, "layer_groups": 4}, "allocation"),
+    ({"policy": "snapkv", "merge": "minicache", "trigger": "once", "allocation": "per_head", "budget": 64,
+      "layer_groups": 4}, "allocation"),
+    ({"policy": "rkv", "trigger": "once", "merge": "minicache", "budget": 64, "layer_groups": 4}, "merge"),
+    ({"policy": "snapkv", "merge": "minimal", "budget": 64}, "merge"),
+])
+def test_bad_merge_configs_name_the_field(config, field):
+    with pytest.raises(KVCompressConfigError, match=rf"^kv_compress\.{field}: "):
+        KVCompressConfig.from_dict(config)

@@ -26,7 +26,8 @@ FILLERS = 4
 SINGLE_GROUP = [
     {"policy": name, "budget": 64, "window": 8} if name in ("snapkv", "adakv", "tova", "keyformer", "random")
     else {"policy": name, "budget": 64}
-    for name, c in sorted(POLICIES.items()) if name != "none" and c.allocation not in ("pyramid", "adaptive") and c.merge == "none"
+    for name, c in sorted(POLICIES.items())
+    if name != "none" and c.allocation not in ("pyramid", "adaptive") and c.merge == "none"
 ] + [
     {"policy": "streamingllm", "budget": 48, "prompt_chunk": 64},
     {"policy": "h2o", "allocation": "per_head", "trigger": "once", "budget": 64},
@@ -36,6 +37,8 @@ PER_LAYER = [
     {"policy": "pyramidkv", "budget": 80, "window": 8},
     {"policy": "adaptive", "budget": 64, "window": 8},
     {"policy": "tova", "allocation": "pyramid", "budget": 64, "window": 4, "interval": 16},
+    {"policy": "minicache", "start_layer": 0, "retain_ratio": 0.1},
+    {"policy": "snapkv", "merge": "minicache", "budget": 64, "window": 8},
 ]
 
 
