@@ -658,3 +658,133 @@ def compact_kv_batched(
         HAS_COUNTS=keep_counts is not None, HAS_SCORES=scores is not None, ZERO_TAIL=bool(zero_score_tail),
         num_stages=1,
     )
+
+
+# ---------------------------------------------------------------------------------------
+# (d) attention of a MiniCache-merged layer
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _merged_kv_tile(
+    lower_ptr, lower_bt_ptr, upper_ptr, upper_bt_ptr, slot_ptr, scale_ptr,
+    offs_n, n_ok, head, offs_d, d_ok, tokens, retained,
+    l_sb, l_ss, l_sh, u_sb, u_ss, u_sh, stride_slot,
+    PAGE: tl.constexpr,
+):
+    """Keys (or values) ``offs_n`` of one kv head as the upper layer of a merged pair
+    sees them: the lower cache's slot times the token's scale (merged), its own
+    retained slot (retained), or its own slot past the retained ones (appended)."""
+    in_pair = offs_n < tokens
+    slot = tl.load(slot_ptr + head * stride_slot + offs_n, mask=n_ok & in_pair, other=-1)
+    scale = tl.load(scale_ptr + head * stride_slot + offs_n, mask=n_ok & in_pair, other=0.0)
+    merged = n_ok & in_pair & (slot < 0)
+    own = n_ok & ~merged
+    own_pos = tl.where(in_pair, slot, retained + offs_n - tokens)
+    own_pos = tl.where(own, own_pos, 0)
+    low = _load_kv_tile(lower_ptr, lower_bt_ptr, offs_n, merged, head, offs_d, d_ok, l_sb, l_ss, l_sh, PAGE)
+    mine = _load_kv_tile(upper_ptr, upper_bt_ptr, own_pos, own, head, offs_d, d_ok, u_sb, u_ss, u_sh, PAGE)
+    return low.to(tl.float32) * scale[:, None] + mine.to(tl.float32)
+
+
+@triton.jit
+def _merged_attention_kernel(
+    q_ptr, qpos_ptr, out_ptr,
+    lk_ptr, lv_ptr, lbt_ptr, uk_ptr, uv_ptr, ubt_ptr,
+    kslot_ptr, kscale_ptr, vslot_ptr, vscale_ptr,
+    tokens, retained, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    lk_sb, lk_ss, lk_sh, lv_sb, lv_ss, lv_sh, uk_sb, uk_ss, uk_sh, uv_sb, uv_ss, uv_sh, stride_slot,
+    G: tl.constexpr, G_BLK: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_BLK: tl.constexpr, PAGE: tl.constexpr,
+):
+    """One program: the G query heads of one kv head for one query, an online
+    softmax over the keys it sees (K and V read once, as the model's attention)."""
+    i = tl.program_id(0)
+    kvh = tl.program_id(1)
+    offs_g = tl.arange(0, G_BLK)
+    offs_d = tl.arange(0, D_BLK)
+    g_ok = offs_g < G
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + i * stride_qt + (kvh * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    last = tl.load(qpos_ptr + i)
+    m = tl.full([G_BLK], _NEG, dtype=tl.float32)
+    total = tl.zeros([G_BLK], dtype=tl.float32)
+    acc = tl.zeros([G_BLK, D_BLK], dtype=tl.float32)
+    for start in range(0, last + 1, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n <= last
+        k = _merged_kv_tile(lk_ptr, lbt_ptr, uk_ptr, ubt_ptr, kslot_ptr, kscale_ptr, offs_n, n_ok, kvh, offs_d,
+                            d_ok, tokens, retained, lk_sb, lk_ss, lk_sh, uk_sb, uk_ss, uk_sh, stride_slot, PAGE)
+        v = _merged_kv_tile(lv_ptr, lbt_ptr, uv_ptr, ubt_ptr, vslot_ptr, vscale_ptr, offs_n, n_ok, kvh, offs_d,
+                            d_ok, tokens, retained, lv_sb, lv_ss, lv_sh, uv_sb, uv_ss, uv_sh, stride_slot, PAGE)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = tl.where(n_ok[None, :], s, _NEG)
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        p = tl.where(n_ok[None, :], p, 0.0)
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m = m_new
+    out = acc / total[:, None]
+    tl.store(out_ptr + i * stride_ot + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :], out,
+             mask=g_ok[:, None] & d_ok[None, :])
+
+
+def merged_attention(
+    query: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    lower_keys: torch.Tensor,
+    lower_values: torch.Tensor,
+    lower_blocks: torch.Tensor,
+    upper_keys: torch.Tensor,
+    upper_values: torch.Tensor,
+    upper_blocks: torch.Tensor,
+    upper_len: int,
+    retained: int,
+    key_slot: torch.Tensor,
+    key_scale: torch.Tensor,
+    value_slot: torch.Tensor,
+    value_scale: torch.Tensor,
+    *,
+    block_n: int = 32,
+) -> torch.Tensor:
+    """Triton version of :func:`reference.merged_attention`: grid ``(n, Hkv)``, one
+    program per query and kv head (its G query heads in one ``tl.dot``), an online
+    softmax over the keys that query sees. A merged key costs one load of the lower
+    layer's slot plus its scale; a retained one a load of the upper layer's slot. fp32
+    math on the cache's values (fp32 products, ``ieee``), so it matches the torch
+    reference up to summation order."""
+    del upper_len  # the query positions bound the keys read
+    for cache, name in ((lower_keys, "lower_keys"), (lower_values, "lower_values"), (upper_keys, "upper_keys"),
+                        (upper_values, "upper_values")):
+        _check_cache(cache, name)
+    dev = query.device
+    n, hq, d = query.shape
+    _, page, hkv, _ = lower_keys.shape
+    out = torch.empty(n, hq, d, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out
+    q = query.contiguous()
+    slots = [_as_i32(x, dev) for x in (key_slot, value_slot)]
+    scales = [x.to(device=dev, dtype=torch.float32).contiguous() for x in (key_scale, value_scale)]
+    if slots[0].shape[1] == 0:  # nothing merged: zero-width slot maps still need a valid row stride
+        slots = [torch.full((hkv, 1), -1, dtype=torch.int32, device=dev)] * 2
+        scales = [torch.zeros(hkv, 1, dtype=torch.float32, device=dev)] * 2
+    g = hq // hkv
+    _merged_attention_kernel[(n, hkv)](
+        q, _as_i32(q_positions, dev), out,
+        lower_keys, lower_values, _as_i32(lower_blocks, dev), upper_keys, upper_values, _as_i32(upper_blocks, dev),
+        slots[0], scales[0], slots[1], scales[1],
+        key_slot.shape[1], int(retained), float(scale),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        lower_keys.stride(0), lower_keys.stride(1), lower_keys.stride(2),
+        lower_values.stride(0), lower_values.stride(1), lower_values.stride(2),
+        upper_keys.stride(0), upper_keys.stride(1), upper_keys.stride(2),
+        upper_values.stride(0), upper_values.stride(1), upper_values.stride(2), slots[0].stride(0),
+        G=g, G_BLK=max(16, _next_pow2(g)), BLOCK_N=block_n, HEAD_DIM=d, D_BLK=max(16, _next_pow2(d)), PAGE=page,
+    )
+    return out

@@ -479,3 +479,75 @@ def test_triton_module_exposes_same_ops():
         params_r = list(inspect.signature(fn_r).parameters)
         params_t = list(inspect.signature(fn_t).parameters)
         assert params_t[: len(params_r)] == params_r, name  # Triton may only add keyword options
+
+
+# ---------------------------------------------------------------------------------------
+# (d) attention of a MiniCache-merged layer
+# ---------------------------------------------------------------------------------------
+
+
+def merged_inputs(gen, g, d, bs, dtype, tokens, retained, appended, kv_layout=None):
+    """A merged pair's caches (lower: `tokens` + `appended` slots, upper:
+    `retained` + `appended`), slot maps and scales from a real merge."""
+    from vllm_kvcompress.merge import merge_tensor
+
+    hkv = 2
+    lk, lv, lbt = make_paged(gen, [tokens + appended], hkv, d, bs, dtype, kv_layout=kv_layout)
+    uk, uv, ubt = make_paged(gen, [retained + appended], hkv, d, bs, dtype, kv_layout=kv_layout)
+    upper = torch.randn(hkv, tokens, d, generator=gen)
+    key = merge_tensor(ref.gather_dense(lk, lbt[0], tokens).float().cpu(), upper, 0.6, retained)
+    value = merge_tensor(ref.gather_dense(lv, lbt[0], tokens).float().cpu(), upper.flip(-1), 0.6, retained)
+    return dict(lower_keys=lk, lower_values=lv, lower_blocks=lbt[0], upper_keys=uk, upper_values=uv,
+                upper_blocks=ubt[0], upper_len=retained + appended, retained=retained,
+                key_slot=key.slot.to(DEVICE), key_scale=key.scale.to(DEVICE),
+                value_slot=value.slot.to(DEVICE), value_scale=value.scale.to(DEVICE)), hkv
+
+
+def naive_merged_attention(query, q_pos, scale, inputs):
+    """Key by key, as the design says (merge.py), then a plain softmax per query head."""
+    lower_k = ref.gather_dense(inputs["lower_keys"], inputs["lower_blocks"], inputs["key_slot"].shape[1]).float()
+    lower_v = ref.gather_dense(inputs["lower_values"], inputs["lower_blocks"], inputs["key_slot"].shape[1]).float()
+    own_k = ref.gather_dense(inputs["upper_keys"], inputs["upper_blocks"], inputs["upper_len"]).float()
+    own_v = ref.gather_dense(inputs["upper_values"], inputs["upper_blocks"], inputs["upper_len"]).float()
+    tokens, retained = inputs["key_slot"].shape[1], inputs["retained"]
+    n, hq, d = query.shape
+    hkv = own_k.shape[0]
+    out = torch.zeros(n, hq, d)
+    for i in range(n):
+        for h in range(hq):
+            kvh = h // (hq // hkv)
+            keys, values = [], []
+            for j in range(int(q_pos[i]) + 1):
+                for x, low, own, slot, sc in ((keys, lower_k, own_k, "key_slot", "key_scale"),
+                                              (values, lower_v, own_v, "value_slot", "value_scale")):
+                    if j >= tokens:
+                        x.append(own[kvh, retained + j - tokens])
+                    elif inputs[slot][kvh, j] >= 0:
+                        x.append(own[kvh, int(inputs[slot][kvh, j])])
+                    else:
+                        x.append(low[kvh, j] * inputs[sc][kvh, j])
+            p = torch.softmax(torch.stack(keys).cpu() @ query[i, h].float().cpu() * scale, dim=0)
+            out[i, h] = p @ torch.stack(values).cpu()
+    return out
+
+
+def test_reference_merged_attention_vs_naive():
+    gen = torch.Generator().manual_seed(17)
+    inputs, hkv = merged_inputs(gen, 2, 16, 8, F32, tokens=37, retained=4, appended=6)
+    query = torch.randn(5, 2 * hkv, 16, generator=gen).to(DEVICE)
+    q_pos = torch.tensor([3, 36, 37, 40, 42])
+    got = ref.merged_attention(query, q_pos, 0.25, **inputs)
+    torch.testing.assert_close(got.cpu(), naive_merged_attention(query, q_pos, 0.25, inputs), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("g, d, bs, dtype, retained", [(1, 16, 16, F32, 3), (4, 64, 16, F32, 0),
+                                                      (3, 32, 32, BF16, 9), (2, 24, 16, F16, 5)])
+def test_triton_merged_attention(g, d, bs, dtype, retained):
+    gen = torch.Generator().manual_seed(19)
+    inputs, hkv = merged_inputs(gen, g, d, bs, dtype, tokens=71, retained=retained, appended=9, kv_layout="HND")
+    query = torch.randn(4, g * hkv, d, generator=gen).to(dtype).to(DEVICE)
+    q_pos = torch.tensor([71, 75, 79, 20]).to(DEVICE)
+    want = ref.merged_attention(query, q_pos, d ** -0.5, **inputs)
+    got = tk().merged_attention(query, q_pos, d ** -0.5, **inputs, block_n=16)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
