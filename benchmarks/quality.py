@@ -137,7 +137,13 @@ def policy_spec(label: str) -> dict:
 def kv_args(policy: str, kept: float) -> dict:
     if policy == "none":
         return {"policy": "none"}
-    return {**policy_spec(policy), "compression_ratio": round(1.0 - kept, 10)}
+    spec = policy_spec(policy)
+    from vllm_kvcompress import POLICIES
+    from vllm_kvcompress.scorers import SCORERS
+
+    if not SCORERS[POLICIES[spec["policy"]].scorer].evicts:  # merges only (minicache): keeps every token
+        return spec
+    return {**spec, "compression_ratio": round(1.0 - kept, 10)}
 
 
 # ------------------------------------------------------------------------- machine

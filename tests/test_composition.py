@@ -78,7 +78,9 @@ def refusal(scorer: str, allocation: str, trigger: str, selection: str) -> str |
     return None
 
 
-COMBINATIONS = list(itertools.product(sorted(SCORERS), sorted(ALLOCATIONS), sorted(TRIGGERS), sorted(SELECTIONS)))
+# Evicting scorers (keep_all only serves policy minicache: tests/test_minicache.py).
+EVICTING = sorted(name for name, cls in SCORERS.items() if cls.evicts)
+COMBINATIONS = list(itertools.product(EVICTING, sorted(ALLOCATIONS), sorted(TRIGGERS), sorted(SELECTIONS)))
 
 
 @pytest.mark.parametrize("scorer, allocation, trigger, selection", COMBINATIONS)

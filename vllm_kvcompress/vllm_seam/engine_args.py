@@ -22,6 +22,7 @@ from ..config import (
     param_field,
     request_overrides,
 )
+from ..merge import MERGES
 from ..planner import layer_groups
 from ..registry import POLICIES
 from ..selection import SELECTIONS
@@ -39,6 +40,8 @@ _COMMON_OPTIONS = {
                    f"{sorted(ALLOCATIONS)} (default: the policy's own; pyramid and adaptive need layer groups)"),
     "selection": ("selection", str, f"how scores become the kept tokens, one of {sorted(SELECTIONS)}: top-k, "
                   f"span carry (keep what follows a kept token) or whole chunks (default: top)"),
+    "merge": ("merge", str, f"what follows selection across depth, one of {sorted(MERGES)}: nothing, or MiniCache "
+              f"(adjacent layers' KV merged at prefill end; needs one layer group per layer) (default: none)"),
     "trigger": ("trigger", str, f"when a request compresses, one of {sorted(TRIGGERS)} (default: the "
                 f"policy's own; --kv-compress-prompt-chunk N alone selects streamed)"),
     "budget": ("budget", int, "tokens kept per (layer, KV head), protected tokens included"),
@@ -46,7 +49,8 @@ _COMMON_OPTIONS = {
     "interval": ("interval", int, "rolling policies evict again after this many new tokens (default: one KV block)"),
     "layer-groups": ("layer_groups", int, "KV cache groups the layers are split into, each with its own block "
                      "table (the number of layers, or a divisor: contiguous tiers); needed by per-layer budgets "
-                     "(pyramid and adaptive allocations) to free memory per layer (default: 1)"),
+                     "(pyramid and adaptive allocations) to free memory per layer, and one per layer by merge "
+                     "minicache (default: 1)"),
 }
 
 
