@@ -205,3 +205,25 @@ def test_pairs_and_retained_counts():
 def test_bad_merge_configs_name_the_field(config, field):
     with pytest.raises(KVCompressConfigError, match=rf"^kv_compress\.{field}: "):
         KVCompressConfig.from_dict(config)
+
+
+def test_prefix_caching_merged_blocks_are_never_hits(start_engine, tiny_model, reference):
+    """With prefix caching on, a merged request rewrites its blocks: none of
+    them may serve a later request with the same prompt (which must then give
+    the plain answer); a merged request that hits the prefix cache runs
+    uncompressed (merging would rewrite shared blocks)."""
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", enable_prefix_caching=True,
+                                          kv_compress_layer_groups=NUM_LAYERS))
+    prompt, other = random_prompts((256, 200), seed=73)
+    merged = {"policy": "minicache", "start_layer": 0, "retain_ratio": 0.0}
+    plain = engine.generate_with_hits([other], NEW_TOKENS)[0][0]
+    ((first, hit),) = engine.generate_with_hits([prompt], NEW_TOKENS, [merged])
+    assert hit == 0
+    cfg = KVCompressConfig.from_dict({**merged, "layer_groups": NUM_LAYERS})
+    assert first == reference.generate(prompt, NEW_TOKENS, cfg, block_size=BLOCK_SIZE)["tokens"]
+    ((again, hit),) = engine.generate_with_hits([prompt], NEW_TOKENS)
+    assert again == reference.generate(prompt, NEW_TOKENS, None, block_size=BLOCK_SIZE)["tokens"]
+    # The unmerged run cached the prompt; a merged request hitting it runs as it.
+    ((hitting, hit),) = engine.generate_with_hits([prompt], NEW_TOKENS, [merged])
+    assert hit > 0 and hitting == again
+    assert engine.generate_with_hits([other], NEW_TOKENS)[0][0] == plain
