@@ -134,8 +134,8 @@ def merge_tensor(lower: torch.Tensor, upper: torch.Tensor, t: float, num_retaine
     divergence = torch.where(n1 > 0, omega, torch.full_like(omega, math.inf))
     heads, tokens = omega.shape
     chosen = torch.topk(divergence, num_retained, dim=-1).indices.sort(dim=-1).values  # [H, R]
-    slot = torch.full((heads, tokens), -1, dtype=torch.int64)
-    slot.scatter_(1, chosen, torch.arange(num_retained).expand(heads, -1).contiguous())
+    slot = torch.full((heads, tokens), -1, dtype=torch.int64, device=omega.device)
+    slot.scatter_(1, chosen, torch.arange(num_retained, device=omega.device).expand(heads, -1).contiguous())
     merged = slot < 0
     stored = torch.where(merged.unsqueeze(-1), n1.unsqueeze(-1) * direction, x1)
     scale = torch.where(merged, n2 / n1.clamp_min(1e-30), torch.zeros_like(n2))
