@@ -227,3 +227,23 @@ def test_prefix_caching_merged_blocks_are_never_hits(start_engine, tiny_model, r
     ((hitting, hit),) = engine.generate_with_hits([prompt], NEW_TOKENS, [merged])
     assert hit > 0 and hitting == again
     assert engine.generate_with_hits([other], NEW_TOKENS)[0][0] == plain
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"kv_compress_layer_groups": 2}, "needs one KV cache group per layer (--kv-compress-layer-groups 4)"),
+    ({"kv_compress_layer_groups": 4, "kv_compress_start_layer": 3}, "start_layer 3 leaves no pair"),
+])
+def test_engines_that_cannot_merge_are_refused_at_startup(tiny_model, extra, needle):
+    from vllm import LLM
+
+    with pytest.raises(KVCompressConfigError) as e:
+        LLM(**engine_kwargs(tiny_model, kv_compress="minicache", **extra))
+    assert needle in str(e.value)
+
+
+def test_a_request_the_engine_cannot_merge_runs_uncompressed(start_engine, tiny_model):
+    """Two tiers of two layers: a request asking for minicache runs as it would uncompressed."""
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=2))
+    prompts = random_prompts((200,), seed=79)
+    assert engine.generate(prompts, NEW_TOKENS, [{"policy": "minicache"}]) == engine.generate(prompts, NEW_TOKENS)
+    assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]

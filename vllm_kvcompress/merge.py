@@ -60,6 +60,21 @@ class Merge:
         """Merge a pair's keys and values ([Hkv, T, D] each, the same tokens in the same order)."""
         raise NotImplementedError(f"merge {self.name!r} merges nothing")
 
+    def problem(self, num_layers: int, num_groups: int, hybrid: bool) -> str | None:
+        """Why an engine with these compressed layers and KV cache groups cannot merge (None: it can)."""
+        if not self.merges:
+            return None
+        if hybrid:
+            return ("a hybrid model's full-attention layers are not adjacent in depth (only models whose layers "
+                    "all use full attention merge)")
+        if num_groups != num_layers:
+            return (f"needs one KV cache group per layer (--kv-compress-layer-groups {num_layers}), the engine "
+                    f"has {num_groups}")
+        if not self.pairs(num_layers):
+            return (f"start_layer {getattr(self, 'start_layer', None)} leaves no pair of layers to merge in a "
+                    f"{num_layers}-layer model; valid values: -1 (half the depth) or 0 .. {num_layers - 2}")
+        return None
+
 
 class NoMerge(Merge):  # no parameters: the base's dataclass serves
     name = "none"

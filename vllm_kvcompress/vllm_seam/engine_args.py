@@ -295,6 +295,12 @@ def check_model(vllm_config) -> None:
         layer_groups(num_layers, config.num_layer_groups)
     except ValueError as e:
         raise KVCompressConfigError(str(e)) from None
+    parts = config.components()
+    if parts is not None:
+        hybrid = num_layers != model.get_num_layers(vllm_config.parallel_config)
+        problem = parts.merge.problem(num_layers, config.num_layer_groups, hybrid)
+        if problem is not None:
+            raise KVCompressConfigError(f"{CONFIG_KEY}.merge: {problem}")
 
 
 def wrap_create_engine_config(original):

@@ -49,11 +49,6 @@ class KVCompressScheduler(Scheduler):
                 f"this model has {len(self.kvc_layers.vllm_groups)}"
             )
         self.kvc_group_of_layer = list(self.kvc_layers.group_of_layer)
-        parts = self.kvc_config.components()
-        if parts is not None and parts.merge.merges:
-            problem = self._merge_problem(parts.merge)
-            if problem is not None:
-                raise KVCompressConfigError(f"kv_compress.merge: {problem}")
         self.kvc_block_size = groups[self.kvc_layers.vllm_groups[0]].kv_cache_spec.block_size
         self.kvc_states: dict[str, RequestState] = {}
         # Prompt tokens served from the prefix cache when each request was
@@ -132,18 +127,12 @@ class KVCompressScheduler(Scheduler):
         return state
 
     def _merge_problem(self, merge) -> str | None:
-        """Why this engine cannot merge layer pairs (None: it can)."""
-        layers = len(self.kvc_group_of_layer)
-        if self.kvc_layers.num_vllm_groups != len(self.kvc_layers.vllm_groups):
-            return "a hybrid model's full-attention layers are not adjacent in depth (only models whose " \
-                   "layers all use full attention merge)"
-        if len(self.kvc_layers.vllm_groups) != layers:
-            return f"needs one KV cache group per layer (--kv-compress-layer-groups {layers}), the engine has " \
-                   f"{len(self.kvc_layers.vllm_groups)}"
-        if not merge.pairs(layers):
-            return f"start_layer {merge.start_layer} leaves no pair of layers to merge in a {layers}-layer model; " \
-                   f"valid values: -1 (half the depth) or 0 .. {layers - 2}"
-        return None
+        """Why this engine cannot merge layer pairs (None: it can). An engine
+        configured to merge is refused at startup for the same reasons
+        (engine_args.check_model); a request asking for it runs uncompressed."""
+        layers = self.kvc_layers
+        return merge.problem(len(layers.layers), len(layers.vllm_groups),
+                             hybrid=layers.num_vllm_groups != len(layers.vllm_groups))
 
     def _plan_compressions(self) -> list[Compaction]:
         ops = []
