@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--retain-ratio", type=float, default=0.05)
+    p.add_argument("--start-layer", type=int, default=-1, help="first layer of the first pair (-1: half the depth)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="4 requests x 512 + 16, 1 repeat (smoke test)")
     p.add_argument("--model", default=None)
@@ -79,10 +80,11 @@ def main() -> None:
               disable_log_stats=True, kv_compress="none", kv_compress_layer_groups=layers)
     rng = random.Random(0)
     snap = {"policy": "snapkv", "budget": args.budget, "window": args.window}
-    merge = {"merge": "minicache", "retain_ratio": args.retain_ratio}
+    merge = {"merge": "minicache", "retain_ratio": args.retain_ratio, "start_layer": args.start_layer}
     configs = [("full KV", None), ("snapkv", snap), ("snapkv + minicache", {**snap, **merge}),
-               ("minicache", {"policy": "minicache", "retain_ratio": args.retain_ratio})]
-    pairs = MiniCache().pairs(layers)
+               ("minicache", {"policy": "minicache", "retain_ratio": args.retain_ratio,
+                              "start_layer": args.start_layer})]
+    pairs = MiniCache(start_layer=args.start_layer).pairs(layers)
     rows = []
     for c, (label, config) in enumerate(configs):
         # Prompt lengths tell the configurations' requests apart in the stats.

@@ -8,6 +8,7 @@ kind (the same draws for the policy and for full KV), the mean over task kinds
 recomputed, 2,000 times.
 
     python benchmarks/quality_spread.py benchmarks/results/quality-main
+    python benchmarks/quality_spread.py results/quality-minicache-alone --full-from results/quality-minicache
     python benchmarks/quality_spread.py results/quality-2k-n12 --out results/quality-2k-n12/spread.md
 """
 
@@ -84,8 +85,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folders", type=Path, nargs="+")
     p.add_argument("--out", type=Path, default=None, help="write the tables here too")
+    p.add_argument("--full-from", type=Path, default=None, metavar="FOLDER",
+                   help="full KV's scores from this run (same tasks, samples and seed) for a run made with --no-full")
     args = p.parse_args()
-    text = "\n".join(render(f, spread(load(f))) for f in args.folders)
+    full = load(args.full_from)[FULL] if args.full_from else None
+
+    def scores(folder: Path):
+        s = load(folder)
+        if full is not None:
+            s[FULL] = full
+        return s
+
+    text = "\n".join(render(f, spread(scores(f))) for f in args.folders)
     print(text)
     if args.out:
         args.out.write_text(text)
