@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 
@@ -57,6 +58,23 @@ class Engine:
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         gc.collect()
+
+
+@contextlib.contextmanager
+def in_process_engine(**kwargs):
+    """An `Engine` whose core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    `step()` is one scheduler step, and the pool can be read between steps."""
+    import pytest
+    import vllm.envs
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        engine = Engine(**kwargs)
+        try:
+            yield engine
+        finally:
+            engine.close()
+    vllm.envs.disable_envs_cache()  # the in-process engine cached the environment
 
 
 def random_prompts(lengths, seed: int = 0, vocab: int = 2000) -> list[list[int]]:

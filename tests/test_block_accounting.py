@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import BLOCK_SIZE, Engine, engine_kwargs, random_prompts
+from helpers import BLOCK_SIZE, engine_kwargs, in_process_engine, random_prompts
 from vllm_kvcompress.planner import cdiv
 
 NUM_BLOCKS = 40
@@ -19,14 +19,8 @@ NUM_BLOCKS = 40
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    import vllm.envs
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        engine = Engine(**engine_kwargs(tiny_model, kv_compress="none", num_gpu_blocks_override=NUM_BLOCKS))
-        yield engine
-        engine.close()
-    vllm.envs.disable_envs_cache()  # the in-process engine cached the environment
+    with in_process_engine(**engine_kwargs(tiny_model, kv_compress="none", num_gpu_blocks_override=NUM_BLOCKS)) as e:
+        yield e
 
 
 def params(max_tokens: int, config: dict | None):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import BLOCK_SIZE, Engine, engine_kwargs, random_prompts
+from helpers import BLOCK_SIZE, engine_kwargs, in_process_engine, random_prompts
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.merge import MiniCache, merge_tensor, restore
 from vllm_kvcompress.planner import cdiv
@@ -31,16 +31,9 @@ def reference(tiny_model):
 
 @pytest.fixture(scope="module")
 def per_layer(tiny_model):
-    """In this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): `step()` is one
-    scheduler step, and the pool can be read between steps."""
-    import vllm.envs
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        engine = Engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS))
+    with in_process_engine(**engine_kwargs(tiny_model, kv_compress="none",
+                                           kv_compress_layer_groups=NUM_LAYERS)) as engine:
         yield engine
-        engine.close()
-    vllm.envs.disable_envs_cache()  # the in-process engine cached the environment
 
 
 def finished_by_length(engine) -> dict[int, dict]:
