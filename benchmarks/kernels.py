@@ -5,6 +5,14 @@ and compares with the memory-bound floor = (bytes the op must read + write) / pe
 bandwidth (``--bandwidth``, default H200 HBM3e 4.8e12 B/s). On CPU (no CUDA) only the
 torch references are timed (wall clock), and the table says so.
 
+``fused`` times decode attention that also adds its probabilities to the score buffer
+(``decode_attention_with_scores``) in three rows: ``fused`` (attention + scores, one pass
+over K and V), ``fused_attn`` (the same op with ``scores_out=None``: attention alone;
+on CUDA also torch SDPA over dense copies of the same K/V and vLLM's paged flash-attn
+when importable) and ``fused_separate`` (attention alone, then ``accumulate_decode_scores``:
+the second pass over K the fused op saves). The ratios fused / attention alone follow
+the table (issue 17 target: at most 1.15x on CUDA).
+
     python benchmarks/kernels.py                     # 32 req x 4k tokens, 8 kv heads, G=4, D=128, bs 16, bf16
     python benchmarks/kernels.py --num-reqs 4 --seq-len 1024 --ops decode,compact
 
@@ -21,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 try:
     from vllm_kvcompress import kernels as K
@@ -29,6 +38,9 @@ except Exception:  # running from a checkout before the package mapping exists
     import kernels as K  # type: ignore[no-redef]
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# --ops names that stand for several rows
+OP_GROUPS = {"fused": ("fused", "fused_attn", "fused_separate")}
+FUSED_TARGET = 1.15  # issue 17: fused attention + scores at most this times attention alone
 
 
 def parse_args(argv=None):
@@ -45,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="peak memory bandwidth, B/s (H200: 4.8e12)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--ops", default="window,decode,decode_gumbel,decode_lse,compact")
+    p.add_argument("--ops", default="window,decode,decode_gumbel,decode_lse,fused,compact")
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
     p.add_argument("--no-torch", action="store_true", help="skip the torch references on CUDA")
     p.add_argument("--seed", type=int, default=0)
@@ -97,6 +109,8 @@ def build_inputs(a, device: str):
         q_pos=torch.arange(T - W, T, dtype=torch.int32).repeat(R).to(device),
         q_dec=torch.randn(R, H * G, D, generator=g).to(dt).to(device),
         scores=torch.zeros(R, H * G, T, device=device),
+        # what compaction permutes: one tensor, cloned for each implementation
+        compact_scores=torch.rand(R, H * G, T, generator=g).to(device),
         noise=(-torch.log(-torch.log(torch.rand(R, H * G, T, generator=g).clamp(1e-6, 1 - 1e-6)))).to(device),
         W=W,
     )
@@ -117,33 +131,93 @@ def floor_bytes(op: str, a, inp) -> int:
     k_bytes = R * H * T * D * elt
     if op == "window":  # K once, window queries, scores read+written (accumulating)
         return k_bytes + R * W * H * G * D * elt + R * H * G * T * 8
+    q_bytes = R * H * G * D * elt
     if op.startswith("decode"):  # K once, q, scores read+written (+ noise read, + lse)
         extra = R * H * G * T * 4 if op == "decode_gumbel" else 0
-        return k_bytes + R * H * G * D * elt + R * H * G * T * 8 + extra
+        return k_bytes + q_bytes + R * H * G * T * 8 + extra
+    if op == "fused_attn":  # K and V once, q read, out written
+        return 2 * k_bytes + 2 * q_bytes
+    if op == "fused":  # + scores read and written
+        return 2 * k_bytes + 2 * q_bytes + R * H * G * T * 8
+    if op == "fused_separate":  # attention alone, then the scoring pass reads K again
+        return floor_bytes("fused_attn", a, inp) + floor_bytes("decode", a, inp)
     if op == "compact":  # kept K and V rows read + written, indices, scores permuted + tail zeroed
         return 2 * 2 * R * H * keep * D * elt + R * H * keep * 4 + R * H * G * (keep * 8 + (T - keep) * 4)
     raise ValueError(op)
 
 
 def make_call(op: str, ops, a, inp, lse: Optional[torch.Tensor]):
+    """``(call, result)``: ``result()`` gives the tensors to compare across
+    implementations after one ``call()``."""
     scale = a.head_dim**-0.5
     if op == "window":
         out = torch.zeros_like(inp["scores"])
         return lambda: ops.window_scores_batched(
             inp["q_win"], inp["cu_q"], inp["key_cache"], inp["bt"], inp["seq_lens"], inp["q_pos"], scale,
-            out=out, max_seq_len=a.seq_len, max_q_len=inp["W"]), out
+            out=out, max_seq_len=a.seq_len, max_q_len=inp["W"]), lambda: (out,)
     if op.startswith("decode"):
         out = torch.zeros_like(inp["scores"])
         tr = ("gumbel", inp["noise"], 1.0) if op == "decode_gumbel" else None
         lse_arg = lse if op == "decode_lse" else None
         return lambda: ops.accumulate_decode_scores(
             inp["q_dec"], inp["key_cache"], inp["bt"], inp["seq_lens"], out, scale, tr, lse=lse_arg,
-            max_seq_len=a.seq_len), out
+            max_seq_len=a.seq_len), lambda: (out,)
+    if op.startswith("fused"):
+        scores = torch.zeros_like(inp["scores"])
+        attn: dict[str, torch.Tensor] = {}
+        args = (inp["q_dec"], inp["key_cache"], inp["value_cache"], inp["bt"], inp["seq_lens"], scale)
+
+        def call() -> None:
+            if op == "fused":
+                attn["out"] = ops.decode_attention_with_scores(*args, scores, max_seq_len=a.seq_len)
+                return
+            attn["out"] = ops.decode_attention_with_scores(*args, None, max_seq_len=a.seq_len)
+            if op == "fused_separate":
+                ops.accumulate_decode_scores(inp["q_dec"], inp["key_cache"], inp["bt"], inp["seq_lens"], scores,
+                                             scale, max_seq_len=a.seq_len)
+
+        return call, lambda: (attn["out"],) if op == "fused_attn" else (attn["out"], scores)
     if op == "compact":
+        # every implementation compacts the same caches and scores (clones of one input)
         kc, vc = inp["key_cache"].clone(), inp["value_cache"].clone()
-        sc = torch.rand_like(inp["scores"])
-        return lambda: ops.compact_kv_batched(kc, vc, inp["bt"], inp["keep_idx"], None, sc), (kc, vc, sc)
+        sc = inp["compact_scores"].clone()
+        return lambda: ops.compact_kv_batched(kc, vc, inp["bt"], inp["keep_idx"], None, sc), lambda: (kc, vc, sc)
     raise ValueError(op)
+
+
+def attention_baselines(a, inp) -> tuple[list[tuple[str, Callable[[], torch.Tensor]]], list[str]]:
+    """Decode attention by other kernels over the same K/V (CUDA only): torch SDPA over
+    dense copies (made once, not timed) and vLLM's paged flash-attn when importable.
+    Returns ``[(name, call returning out [R, Hq, D])]`` and notes on what was skipped."""
+    R, T = a.num_reqs, a.seq_len
+    scale = a.head_dim**-0.5
+    q = inp["q_dec"]
+    dense = [torch.stack([K.reference.gather_dense(c, inp["bt"][r], T) for r in range(R)])
+             for c in (inp["key_cache"], inp["value_cache"])]  # [R, Hkv, T, D] each
+
+    def sdpa() -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q[:, :, None], dense[0], dense[1], scale=scale, enable_gqa=True)
+        return out[:, :, 0]
+
+    calls: list[tuple[str, Callable[[], torch.Tensor]]] = [("sdpa (dense)", sdpa)]
+    notes = []
+    try:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        cu_q = torch.arange(R + 1, dtype=torch.int32, device=q.device)
+        fa_out = torch.empty_like(q)
+
+        def flash() -> torch.Tensor:
+            flash_attn_varlen_func(q=q, k=inp["key_cache"], v=inp["value_cache"], max_seqlen_q=1, cu_seqlens_q=cu_q,
+                                   max_seqlen_k=T, seqused_k=inp["seq_lens"], softmax_scale=scale, causal=True,
+                                   block_table=inp["bt"], out=fa_out)
+            return fa_out
+
+        flash()  # fails here, not in the timing loop, if this build cannot run it
+        calls.append(("flash-attn (vLLM, paged)", flash))
+    except Exception as e:  # not installed, no CUDA extension, or an unsupported shape
+        notes.append(f"vLLM flash-attn skipped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return calls, notes
 
 
 def decode_lse(inp, a) -> torch.Tensor:
@@ -158,9 +232,9 @@ def decode_lse(inp, a) -> torch.Tensor:
 
 
 def max_diff(x, y) -> float:
-    if isinstance(x, tuple):
-        return max(max_diff(u, v) for u, v in zip(x, y))
-    return float((x.float() - y.float()).abs().max())
+    """Largest absolute difference over the tensors both results share (a baseline
+    returns the attention output alone)."""
+    return max(float((u.float() - v.float()).abs().max()) for u, v in zip(x, y))
 
 
 def main(argv=None) -> str:
@@ -172,8 +246,10 @@ def main(argv=None) -> str:
         triton_ops = None
     inp = build_inputs(a, device)
     lse = decode_lse(inp, a)
-    rows = []
-    for op in [o.strip() for o in a.ops.split(",") if o.strip()]:
+    rows: list[tuple] = []  # (op, impl, seconds, floor seconds, floor bytes[, max abs diff])
+    notes: list[str] = []
+    names = [o.strip() for o in a.ops.split(",") if o.strip()]
+    for op in [sub for o in names for sub in OP_GROUPS.get(o, (o,))]:
         fb = floor_bytes(op, a, inp)
         floor_s = fb / a.bandwidth
         results = {}
@@ -184,17 +260,19 @@ def main(argv=None) -> str:
             impls.append(("torch", torch_ops))
         for name, ops in impls:
             call, res = make_call(op, ops, a, inp, lse)
-            if op == "compact":  # one clean call for the correctness comparison
-                call()
-                results[name] = tuple(t.clone() for t in res)
-            else:
-                call()
-                results[name] = res.clone()
+            call()  # one clean call for the correctness comparison
+            results[name] = tuple(t.clone() for t in res())
             t = time_fn(call, device, a.warmup, a.iters)
             rows.append((op, name, t, floor_s, fb))
-        if len(results) == 2:
-            d = max_diff(results["triton"], results["torch"])
-            rows = [r + (d,) if r[0] == op else r for r in rows]
+        if op == "fused_attn" and device == "cuda":
+            baselines, skipped = attention_baselines(a, inp)
+            notes += skipped
+            for name, fn in baselines:
+                results[name] = (fn().clone(),)
+                rows.append((op, name, time_fn(fn, device, a.warmup, a.iters), floor_s, fb))
+        if "torch" in results:
+            diffs = {name: max_diff(res, results["torch"]) for name, res in results.items() if name != "torch"}
+            rows = [r + (diffs[r[1]],) if r[0] == op and r[1] in diffs else r for r in rows]
     head = (f"Kernels on {device}"
             + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else
                " - no CUDA: only the torch references are timed (wall clock)")
@@ -206,14 +284,34 @@ def main(argv=None) -> str:
              "|---|---|---:|---:|---:|---:|---:|"]
     for row in rows:
         op, name, t, floor_s, fb = row[:5]
-        diff = f"{row[5]:.2e}" if len(row) > 5 and name == "triton" else ""
+        diff = f"{row[5]:.2e}" if len(row) > 5 else ""
         lines.append(f"| {op} | {name} | {t * 1e6:.1f} | {floor_s * 1e6:.1f} | {t / floor_s:.2f} | "
                      f"{fb / t / 1e9:.1f} | {diff} |")
+    lines += fused_summary(rows, device) + [f"- {n}" for n in notes]
     text = "\n".join(lines)
     print(text)
     if a.out is not None:
         a.out.write_text(text + "\n")
     return text
+
+
+def fused_summary(rows, device: str) -> list[str]:
+    """Lines comparing each implementation's fused op with its attention alone (and with
+    the separate scoring pass), when the table has those rows."""
+    times = {(op, name): t for op, name, t, *_ in rows}
+    lines = []
+    for name in ("triton", "torch"):
+        attn = times.get(("fused_attn", name))
+        if attn is None or ("fused", name) not in times:
+            continue
+        ratio = times["fused", name] / attn
+        line = f"- {name}: fused / attention alone = {ratio:.2f}x"
+        if name == "triton" and device == "cuda":
+            line += f" (target <= {FUSED_TARGET:.2f}x: {'met' if ratio <= FUSED_TARGET else 'NOT met'})"
+        if ("fused_separate", name) in times:
+            line += f"; separate pass / attention alone = {times['fused_separate', name] / attn:.2f}x"
+        lines.append(line)
+    return [""] + lines if lines else []
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ Installed as ``vllm_kvcompress.kernels``. Pick the implementation once at startu
 Both namespaces expose the same functions with the same signatures and math
 (see ``reference.py``), the operation list ``OP_NAMES`` that the worker calls on every
 device: ``split_kv_cache, gather_dense, window_scores_batched, accumulate_decode_scores,
-compact_kv_batched``; both also have ``check_keep_idx``. ``split_kv_cache`` and
-``gather_dense`` are the torch versions in both (views and one gather, not fused).
+decode_attention_with_scores, compact_kv_batched, merged_attention``; both also have
+``check_keep_idx``. ``split_kv_cache`` and ``gather_dense`` are the torch versions in
+both (views and one gather, not fused). The ops take every tensor argument on one
+device and move none: a mix raises ``ValueError`` naming the op and the argument.
 This module never imports Triton itself; ``triton_kernels`` is imported on demand.
 """
 

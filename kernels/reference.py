@@ -31,7 +31,6 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-# The operations every backend provides (torch here, Triton in triton_kernels).
 # The operations every backend provides (torch here, Triton in triton_kernels):
 # what the worker calls, on CPU and on CUDA alike.
 OP_NAMES = (
@@ -39,6 +38,7 @@ OP_NAMES = (
     "gather_dense",
     "window_scores_batched",
     "accumulate_decode_scores",
+    "decode_attention_with_scores",
     "compact_kv_batched",
     "merged_attention",
 )
@@ -68,16 +68,36 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _check_devices(op: str, **tensors: object) -> None:
+    """Raise ``ValueError`` unless every tensor among ``tensors`` (name -> argument) is on
+    one device; ``None`` and plain numbers are skipped.
+
+    The ops never move their arguments: a CPU index tensor next to CUDA caches would
+    otherwise cost a hidden host-to-device copy (and a sync) per call, or fail deep
+    inside torch with an error that names neither the op nor the argument.
+    """
+    first: Optional[Tuple[str, torch.device]] = None
+    for name, x in tensors.items():
+        if not isinstance(x, torch.Tensor):
+            continue
+        if first is None:
+            first = (name, x.device)
+        elif x.device != first[1]:
+            raise ValueError(f"{op}: {name} is on {x.device} but {first[0]} is on {first[1]}; "
+                             "pass every tensor on one device")
+
+
 def gather_dense(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Gather one request's first ``seq_len`` tokens from a paged cache.
 
     ``cache [num_blocks, block_size, H, D]``, ``block_table_row [>= ceil(seq_len/bs)]``
     -> ``[H, seq_len, D]`` (a copy, same dtype as the cache; a non-contiguous view of it).
     """
+    _check_devices("gather_dense", cache=cache, block_table_row=block_table_row)
     seq_len = int(seq_len)
     _, bs, h, d = cache.shape
     nb = _cdiv(seq_len, bs)
-    blocks = block_table_row[:nb].to(device=cache.device, dtype=torch.long)
+    blocks = block_table_row[:nb].long()
     x = cache.index_select(0, blocks).reshape(nb * bs, h, d)[:seq_len]
     return x.permute(1, 0, 2)
 
@@ -102,6 +122,8 @@ def window_scores(
     ``out[h, j] = sum_i softmax_j(q_i[h] . K[h // G, :]^T * scale)`` over visible keys.
     No GQA reduction (see :func:`reduce_gqa`), no pooling (see :func:`pool_scores`).
     """
+    _check_devices("window_scores", q_win=q_win, key_cache=key_cache, block_table_row=block_table_row,
+                   q_positions=q_positions)
     seq_len = int(seq_len)
     w, hq, d = q_win.shape
     hkv = key_cache.shape[2]
@@ -114,9 +136,9 @@ def window_scores(
         return out
     keys = gather_dense(key_cache, block_table_row, seq_len)  # [Hkv, T, D] (cache dtype)
     # [Hkv, G*W, D] contiguous: one plain batched matmul per kv head (no broadcasting)
-    q = q_win.to(device=dev, dtype=torch.float32).reshape(w, hkv, g, d).permute(1, 2, 0, 3)
+    q = q_win.to(torch.float32).reshape(w, hkv, g, d).permute(1, 2, 0, 3)
     q = q.reshape(hkv, g * w, d).contiguous()
-    pos = q_positions.to(device=dev, dtype=torch.long)
+    pos = q_positions.long()
     hidden = torch.arange(seq_len, device=dev)[None, :] > pos[:, None]  # [W, T]
     chunk = max(1, _CHUNK_ELEMS // max(1, g * w * seq_len + seq_len * d))
     for h0 in range(0, hkv, chunk):
@@ -154,6 +176,8 @@ def window_scores_batched(
     ``max_q_len`` is accepted for signature parity with the Triton kernel (unused here).
     """
     del max_q_len
+    _check_devices("window_scores_batched", q=q, cu_q_lens=cu_q_lens, key_cache=key_cache,
+                   block_tables=block_tables, seq_lens=seq_lens, q_positions=q_positions, out=out)
     hq = q.shape[1]
     lens = [int(x) for x in seq_lens.tolist()]
     cu = [int(x) for x in cu_q_lens.tolist()]
@@ -250,6 +274,8 @@ def accumulate_decode_scores(
     normalisation of its own (the Triton kernel then reads K once and needs no scratch).
     """
     noise, tau = _parse_transform(logits_transform)
+    _check_devices("accumulate_decode_scores", q=q, key_cache=key_cache, block_tables=block_tables,
+                   seq_lens=seq_lens, scores_out=scores_out, noise=noise, tau=tau, lse=lse)
     if lse is not None and noise is not None:
         raise ValueError("lse is only valid without a logits transform")
     nreq, hq, d = q.shape
@@ -258,7 +284,7 @@ def accumulate_decode_scores(
     _, bs, hkv, _ = key_cache.shape
     g = hq // hkv
     dev = key_cache.device
-    lens = seq_lens.to(device=dev, dtype=torch.long)
+    lens = seq_lens.long()
     t = int(max_seq_len) if max_seq_len is not None else int(lens.max())
     if t == 0:
         return scores_out
@@ -277,22 +303,126 @@ def accumulate_decode_scores(
     for r0 in range(0, nreq, chunk):
         r1 = min(nreq, r0 + chunk)
         n = r1 - r0
-        bt = block_tables[r0:r1, :nb].to(device=dev, dtype=torch.long).clamp(0, nblocks_total - 1)
+        bt = block_tables[r0:r1, :nb].long().clamp(0, nblocks_total - 1)
         keys = key_cache.index_select(0, bt.reshape(-1)).reshape(n, nb * bs, hkv, d)[:, :t]
         # contiguous [n, Hkv, T, D] fp32 (matmul on strided views is very slow on CPU)
         keys = keys.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
-        qq = q[r0:r1].to(device=dev, dtype=torch.float32).reshape(n, hkv, g, d)
+        qq = q[r0:r1].to(torch.float32).reshape(n, hkv, g, d)
         x = torch.matmul(qq, keys.transpose(-1, -2)).reshape(n, hq, t) * scale  # [n, Hq, T]
         valid = (ar[None, :] < lens[r0:r1, None])[:, None, :]  # [n, 1, T]
         if noise is not None:
             assert tau_t is not None
-            x = (x + noise[r0:r1, :, :t].to(device=dev, dtype=torch.float32)) / tau_t[r0:r1, None, None]
+            x = (x + noise[r0:r1, :, :t].to(torch.float32)) / tau_t[r0:r1, None, None]
         if lse is not None:
-            p = torch.exp(x - lse[r0:r1].to(device=dev, dtype=torch.float32)[..., None])
+            p = torch.exp(x - lse[r0:r1].to(torch.float32)[..., None])
         else:
             p = torch.softmax(x.masked_fill(~valid, float("-inf")), dim=-1)
         scores_out[r0:r1, :, :t] += torch.where(valid, p, torch.zeros((), device=dev))
     return scores_out
+
+
+def _check_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scores_out: Optional[torch.Tensor],
+    max_seq_len: Optional[int],
+) -> int:
+    """Validate the arguments of :func:`decode_attention_with_scores` (shared with the
+    Triton version, so both raise the same errors) and return the key count ``T`` the op
+    covers: ``max_seq_len``, else ``max(seq_lens)`` (a host sync)."""
+    op = "decode_attention_with_scores"
+    _check_devices(op, q=q, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                   seq_lens=seq_lens, scores_out=scores_out)
+    if q.dim() != 3:
+        raise ValueError(f"{op}: q must be [R, Hq, D], got {tuple(q.shape)}")
+    nreq, hq, d = q.shape
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(f"{op}: key_cache and value_cache must both be [num_blocks, block_size, Hkv, D], "
+                         f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    _, bs, hkv, d_k = key_cache.shape
+    if d_k != d or hq % hkv:
+        raise ValueError(f"{op}: q {tuple(q.shape)} does not fit key_cache {tuple(key_cache.shape)} "
+                         "(same head_dim, num_q_heads a multiple of num_kv_heads)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != nreq:
+        raise ValueError(f"{op}: block_tables must be [R={nreq}, max_blocks], got {tuple(block_tables.shape)}")
+    if tuple(seq_lens.shape) != (nreq,):
+        raise ValueError(f"{op}: seq_lens must be [R={nreq}], got {tuple(seq_lens.shape)}")
+    if scores_out is not None:
+        if scores_out.dtype != torch.float32:
+            raise ValueError(f"{op}: scores_out must be float32, got {scores_out.dtype}")
+        if scores_out.dim() != 3 or tuple(scores_out.shape[:2]) != (nreq, hq):
+            raise ValueError(f"{op}: scores_out must be [R={nreq}, Hq={hq}, max_T], got {tuple(scores_out.shape)}")
+    if nreq == 0:
+        return 0
+    t = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max())
+    if scores_out is not None and t > scores_out.shape[-1]:
+        raise ValueError(f"{op}: seq_lens reach {t} tokens, more than scores_out holds ({scores_out.shape[-1]})")
+    if _cdiv(t, bs) > block_tables.shape[1]:
+        raise ValueError(f"{op}: {t} tokens need {_cdiv(t, bs)} blocks, block_tables has {block_tables.shape[1]}")
+    return t
+
+
+def decode_attention_with_scores(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    scores_out: Optional[torch.Tensor],
+    max_seq_len: Optional[int] = None,
+) -> torch.Tensor:
+    """Paged decode attention that also adds its probabilities into the score buffer.
+
+    ``q [R, Hq, D]`` (one decode query per request), caches as for :func:`gather_dense`,
+    ``block_tables [R, max_blocks]``, ``seq_lens [R]`` (keys ``[0, seq_len)`` visible).
+    Returns ``out [R, Hq, D]`` in ``q``'s dtype, ``out[r, h] = sum_j p[r, h, j] V[r, h // G, j]``
+    with ``p = softmax_j(q[r, h] . K[r, h // G, j] * scale)`` (zero for ``seq_len == 0``).
+    ``scores_out [R, Hq, >= max_T]`` float32 (or ``None``: attention only) gets ``p``
+    added in place at ``j < seq_lens[r]``: exactly what :func:`accumulate_decode_scores`
+    adds with no logits transform. One pass over K and V gives both, so a decode-time
+    scorer (H2O, TOVA) needs no second ``q.K^T`` after the attention.
+    ``max_seq_len`` (>= every ``seq_len``; default ``max(seq_lens)``, a host sync) bounds
+    the keys read.
+    """
+    t = _check_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scores_out, max_seq_len)
+    nreq, hq, d = q.shape
+    out = torch.zeros(nreq, hq, d, dtype=q.dtype, device=q.device)
+    if nreq == 0 or t == 0:
+        return out
+    _, bs, hkv, _ = key_cache.shape
+    g = hq // hkv
+    dev = key_cache.device
+    lens = seq_lens.long()
+    nb = _cdiv(t, bs)
+    nblocks_total = key_cache.shape[0]
+    per_req = 2 * nb * bs * hkv * d + hq * nb * bs * 2  # K and V, logits and probabilities
+    chunk = max(1, _CHUNK_ELEMS // per_req)
+    ar = torch.arange(t, device=dev)
+    for r0 in range(0, nreq, chunk):
+        r1 = min(nreq, r0 + chunk)
+        n = r1 - r0
+        # block ids past a request's own blocks may be stale or padding: clamp, then mask
+        bt = block_tables[r0:r1, :nb].long().clamp(0, nblocks_total - 1).reshape(-1)
+        kv = []
+        for cache in (key_cache, value_cache):
+            x = cache.index_select(0, bt).reshape(n, nb * bs, hkv, d)[:, :t]
+            # contiguous [n, Hkv, T, D] fp32 (matmul on strided views is very slow on CPU)
+            kv.append(x.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format))
+        keys, values = kv
+        qq = q[r0:r1].to(torch.float32).reshape(n, hkv, g, d)
+        # the same products, in the same order, as accumulate_decode_scores
+        x = torch.matmul(qq, keys.transpose(-1, -2)).reshape(n, hq, t) * scale  # [n, Hq, T]
+        valid = (ar[None, :] < lens[r0:r1, None])[:, None, :]  # [n, 1, T]
+        p = torch.softmax(x.masked_fill(~valid, float("-inf")), dim=-1)
+        p = torch.where(valid, p, torch.zeros((), device=dev))  # an empty row's NaNs -> 0
+        out[r0:r1] = torch.matmul(p.view(n, hkv, g, t), values).reshape(n, hq, d).to(q.dtype)
+        if scores_out is not None:
+            scores_out[r0:r1, :, :t] += p
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -352,22 +482,24 @@ def compact_kv_batched(
     copy gathers everything first and then scatters, so overlap of source and
     destination is harmless. Requests must not share physical blocks (no prefix caching).
     """
+    _check_devices("compact_kv_batched", key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                   keep_idx=keep_idx, keep_counts=keep_counts, scores=scores)
     nreq, hkv, kmax = keep_idx.shape
     if nreq == 0:
         return
     dev = key_cache.device
     bs = key_cache.shape[1]
-    ki = keep_idx.to(device=dev, dtype=torch.long)
+    ki = keep_idx.long()
     if keep_counts is None:
         valid = torch.ones(nreq, hkv, kmax, dtype=torch.bool, device=dev)
         counts = torch.full((nreq, hkv), kmax, dtype=torch.long, device=dev)
     else:
-        counts = keep_counts.to(device=dev, dtype=torch.long)
+        counts = keep_counts.long()
         valid = torch.arange(kmax, device=dev) < counts[..., None]
     moved = valid & (ki != torch.arange(kmax, device=dev))
     r_idx, h_idx, j_idx = moved.nonzero(as_tuple=True)
     src = ki[r_idx, h_idx, j_idx]
-    bt = block_tables.to(device=dev, dtype=torch.long)
+    bt = block_tables.long()
     src_blk, src_off = bt[r_idx, src // bs], src % bs
     dst_blk, dst_off = bt[r_idx, j_idx // bs], j_idx % bs
     for cache in (key_cache, value_cache):
@@ -418,6 +550,10 @@ def merged_attention(
     cache holds. Query ``i`` sees keys ``j <= q_positions[i]``. Returns ``[n, Hq, D]``
     float32.
     """
+    _check_devices("merged_attention", query=query, q_positions=q_positions, lower_keys=lower_keys,
+                   lower_values=lower_values, lower_blocks=lower_blocks, upper_keys=upper_keys,
+                   upper_values=upper_values, upper_blocks=upper_blocks, key_slot=key_slot, key_scale=key_scale,
+                   value_slot=value_slot, value_scale=value_scale)
     from ..merge import restore  # the formula the merge and the reference decoder use
 
     tokens = key_slot.shape[1]
@@ -425,9 +561,9 @@ def merged_attention(
     own_k = gather_dense(upper_keys, upper_blocks, upper_len).to(torch.float32)
     own_v = gather_dense(upper_values, upper_blocks, upper_len).to(torch.float32)
     keys = torch.cat([restore(gather_dense(lower_keys, lower_blocks, tokens), own_k[:, :retained],
-                              key_slot.to(dev), key_scale.to(dev)), own_k[:, retained:]], dim=1)
+                              key_slot, key_scale), own_k[:, retained:]], dim=1)
     values = torch.cat([restore(gather_dense(lower_values, lower_blocks, tokens), own_v[:, :retained],
-                                value_slot.to(dev), value_scale.to(dev)), own_v[:, retained:]], dim=1)
+                                value_slot, value_scale), own_v[:, retained:]], dim=1)
     hkv, total, d = keys.shape
     n, hq, _ = query.shape
     out = torch.empty(n, hq, d, dtype=torch.float32, device=dev)
@@ -439,7 +575,7 @@ def merged_attention(
         # [Hkv, G*m, D] against [Hkv, T, D]: K is never repeated per query head.
         qg = q.permute(1, 0, 2).reshape(hkv, -1, d)
         logits = torch.bmm(qg, keys.transpose(1, 2)).view(hq, m, total) * scale
-        hidden = key_pos.view(1, 1, -1) > q_positions[i: i + step].to(dev).view(1, -1, 1)
+        hidden = key_pos.view(1, 1, -1) > q_positions[i: i + step].view(1, -1, 1)
         probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
         out[i: i + step] = torch.bmm(probs.view(hkv, -1, total), values).view(hq, m, d).transpose(0, 1)
     return out

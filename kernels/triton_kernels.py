@@ -22,6 +22,9 @@ Kernels
     would cost ``W*Hq*T`` floats, far more than K. Splitting keys keeps the GPU busy
     for a single long prompt.
 (b) ``accumulate_decode_scores``: see its docstring for the design choice.
+    ``decode_attention_with_scores``: paged decode attention (split-K online softmax)
+    that also adds the probabilities into the score buffer, from one read of K and V;
+    two launches, see its docstring.
 (c) ``compact_kv_batched``: grid ``(R, Hkv)``, one program walks one (request, kv head)
     in order; see its docstring for the overlap-safety argument.
 
@@ -42,6 +45,7 @@ import triton.language as tl
 from .reference import (
     OP_NAMES,  # the shared operation list
     LogitsTransform,
+    _check_decode_attention,
     _parse_transform,
 )
 
@@ -532,6 +536,212 @@ def accumulate_decode_scores(
             G=g, G_BLK=_next_pow2(g), BLOCK_N=block_n, SPLITS_BLK=max(2, _next_pow2(num_splits)),
         )
     return scores_out
+
+
+@triton.jit
+def _pv(p, v, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """``p [M, N] @ v [N, D]`` in fp32; ``p`` (fp32 probabilities) is rounded to the
+    cache dtype for the tensor cores, as flash-attn does."""
+    if DOT_F32:
+        o = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        o = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return o
+
+
+@triton.jit
+def _decode_attn_partial_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, logits_ptr, pm_ptr, pl_ptr, pacc_ptr,
+    scale_log2,
+    stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_btb,
+    stride_xr, stride_xh, stride_pr, stride_ph, stride_ar, stride_ah, stride_as,
+    SPLIT_LEN, MAX_T,
+    G: tl.constexpr, G_BLK: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_BLK: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_SCORES: tl.constexpr,
+):
+    """One program: the G query heads of one kv head over one split of the keys. Each
+    K and V tile is loaded once; an online softmax gives the split's (max, sum-exp,
+    sum p V); with scores, the logits (fp32, log2 units) also go to the scratch."""
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    r64 = r.to(tl.int64)
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + r), MAX_T)
+    gg = tl.arange(0, G_BLK)
+    g_ok = gg < G
+    qh = kvh * G + gg
+    offs_d = tl.arange(0, D_BLK)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + r64 * stride_qr + qh[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    lo = sp * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, seq_len)
+    bt_row = bt_ptr + r64 * stride_btb
+    m_i = tl.full([G_BLK], _NEG, tl.float32)
+    l_i = tl.zeros([G_BLK], tl.float32)
+    acc = tl.zeros([G_BLK, D_BLK], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        k = _load_kv_tile(k_ptr, bt_row, offs_n, n_ok, kvh, offs_d, d_ok, stride_kb, stride_ks, stride_kh, PAGE)
+        v = _load_kv_tile(v_ptr, bt_row, offs_n, n_ok, kvh, offs_d, d_ok, stride_vb, stride_vs, stride_vh, PAGE)
+        x2 = tl.where(n_ok[None, :], _qk(q, k, DOT_PREC, DOT_F32) * scale_log2, float("-inf"))
+        if HAS_SCORES:
+            tl.store(logits_ptr + r64 * stride_xr + qh[:, None] * stride_xh + offs_n[None, :], x2,
+                     mask=g_ok[:, None] & n_ok[None, :])
+        m_new = tl.maximum(m_i, tl.max(x2, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(x2 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _pv(p, v, DOT_PREC, DOT_F32)
+        m_i = m_new
+    pofs = r64 * stride_pr + qh * stride_ph + sp
+    tl.store(pm_ptr + pofs, m_i, mask=g_ok)
+    tl.store(pl_ptr + pofs, l_i, mask=g_ok)
+    aptr = pacc_ptr + r64 * stride_ar + qh[:, None] * stride_ah + sp * stride_as + offs_d[None, :]
+    tl.store(aptr, acc, mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_attn_reduce_kernel(
+    seq_lens_ptr, logits_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, scores_ptr,
+    stride_xr, stride_xh, stride_pr, stride_ph, stride_ar, stride_ah, stride_as,
+    stride_or, stride_oh, stride_sr, stride_sh,
+    SPLIT_LEN, NUM_SPLITS, MAX_T,
+    G: tl.constexpr, G_BLK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLK: tl.constexpr,
+    SPLITS_BLK: tl.constexpr, HAS_SCORES: tl.constexpr,
+):
+    """Combine the splits' partials into the LSE of each query head. Split 0's program
+    writes the output; with scores, every program adds ``exp(x - lse)`` over its own
+    split, reading the stored logits (not K)."""
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    r64 = r.to(tl.int64)
+    gg = tl.arange(0, G_BLK)
+    g_ok = gg < G
+    qh = kvh * G + gg
+    offs_s = tl.arange(0, SPLITS_BLK)
+    pmask = g_ok[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    prow = r64 * stride_pr + qh * stride_ph
+    pm = tl.load(pm_ptr + prow[:, None] + offs_s[None, :], mask=pmask, other=_NEG)
+    pl = tl.load(pl_ptr + prow[:, None] + offs_s[None, :], mask=pmask, other=0.0)
+    m = tl.max(pm, 1)
+    l = tl.sum(pl * tl.exp2(pm - m[:, None]), 1)
+    l_safe = tl.where(l > 0, l, 1.0)  # l == 0 only for a request with no keys: output 0
+    if sp == 0:
+        offs_d = tl.arange(0, D_BLK)
+        od_mask = g_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        acc = tl.zeros([G_BLK, D_BLK], tl.float32)
+        for s in range(0, NUM_SPLITS):
+            w = tl.exp2(tl.load(pm_ptr + prow + s, mask=g_ok, other=_NEG) - m)
+            a = tl.load(pacc_ptr + r64 * stride_ar + qh[:, None] * stride_ah + s * stride_as + offs_d[None, :],
+                        mask=od_mask, other=0.0)
+            acc += a * w[:, None]
+        out = acc / l_safe[:, None]
+        optr = out_ptr + r64 * stride_or + qh[:, None] * stride_oh + offs_d[None, :]
+        tl.store(optr, out.to(out_ptr.dtype.element_ty), mask=od_mask)
+    if HAS_SCORES:
+        lse2 = m + tl.log2(l_safe)
+        seq_len = tl.minimum(tl.load(seq_lens_ptr + r), MAX_T)
+        lo = sp * SPLIT_LEN
+        hi = tl.minimum(lo + SPLIT_LEN, seq_len)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            msk = g_ok[:, None] & (offs_n < hi)[None, :]
+            x2 = tl.load(logits_ptr + r64 * stride_xr + qh[:, None] * stride_xh + offs_n[None, :],
+                         mask=msk, other=float("-inf"))
+            sptr = scores_ptr + r64 * stride_sr + qh[:, None] * stride_sh + offs_n[None, :]
+            tl.store(sptr, tl.load(sptr, mask=msk, other=0.0) + tl.exp2(x2 - lse2[:, None]), mask=msk)
+
+
+def decode_attention_with_scores(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    scores_out: Optional[torch.Tensor],
+    max_seq_len: Optional[int] = None,
+    *,
+    scratch: Optional[torch.Tensor] = None,
+    split_len: Optional[int] = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Triton version of :func:`reference.decode_attention_with_scores` (``out``
+    returned, probabilities added into ``scores_out`` in place unless it is ``None``).
+
+    Design (K and V are read exactly once, attention and scores alike). Launch 1, grid
+    ``(R, Hkv, key_splits)`` (split-K, as :func:`accumulate_decode_scores`): a program
+    loads each K and V tile of its split once for the G query heads of its kv head (one
+    ``tl.dot`` each), keeps an online softmax (max, sum-exp, ``sum p V``) and, with
+    scores, writes the logits (fp32, log2 units) to ``scratch [R, Hq, >= max_T]``; its
+    partials go to ``[R, Hq, splits(, D)]`` buffers. Launch 2, same grid: each program
+    combines all splits' (max, sum-exp) into the LSE; split 0 also writes ``out``
+    (rescaled ``sum p V`` over the splits) and, with scores, every program re-reads its
+    split's logits (``G * 4`` bytes per token and kv head, against ``2 * D * 2`` for K
+    and V in bf16) to add ``exp(x - lse)``. Without scores it is plain split-K paged
+    decode attention, the baseline the fused op is timed against.
+
+    ``scratch``: optional preallocated logits buffer (reused across layers/steps).
+    ``max_seq_len``: pass it (>= every ``seq_len``) to avoid a host sync; keys past it
+    are not read. ``split_len``: keys per program (default ``T/64``, at least 512).
+    """
+    t = _check_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scores_out, max_seq_len)
+    _check_cache(key_cache, "key_cache")
+    _check_cache(value_cache, "value_cache")
+    if scores_out is not None and scores_out.stride(-1) != 1:
+        raise ValueError("scores_out must be contiguous in the token dim")
+    dev = key_cache.device
+    nreq, hq, d = q.shape
+    if nreq == 0 or t == 0:
+        return torch.zeros(nreq, hq, d, dtype=q.dtype, device=dev)
+    out = torch.empty(nreq, hq, d, dtype=q.dtype, device=dev)
+    _, page, hkv, _ = key_cache.shape
+    g = hq // hkv
+    qc = q.to(key_cache.dtype)
+    if qc.stride(-1) != 1:
+        qc = qc.contiguous()
+    bt = _as_i32(block_tables, dev)
+    sl = _as_i32(seq_lens, dev)
+    split = _pick_split(t, block_n, split_len, min_split=512)
+    num_splits = -(-t // split)
+    pm = torch.empty(nreq, hq, num_splits, dtype=torch.float32, device=dev)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(nreq, hq, num_splits, d, dtype=torch.float32, device=dev)
+    if scores_out is not None:
+        if scratch is None:
+            scratch = torch.empty(nreq, hq, t, dtype=torch.float32, device=dev)
+        if scratch.dtype != torch.float32 or scratch.stride(-1) != 1 or scratch.shape[-1] < t:
+            raise ValueError("scratch must be float32 [R, Hq, >= max_T], contiguous in the last dim")
+        logits, sc = scratch, scores_out
+        x_strides, s_strides = (scratch.stride(0), scratch.stride(1)), (scores_out.stride(0), scores_out.stride(1))
+    else:
+        logits, sc = pm, pm  # placeholder pointers, never dereferenced
+        x_strides, s_strides = (0, 0), (0, 0)
+    p_strides = (pm.stride(0), pm.stride(1))
+    a_strides = (pacc.stride(0), pacc.stride(1), pacc.stride(2))
+    grid = (nreq, hkv, num_splits)
+    _decode_attn_partial_kernel[grid](
+        qc, key_cache, value_cache, bt, sl, logits, pm, pl, pacc,
+        float(scale) * _LOG2E,
+        qc.stride(0), qc.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), bt.stride(0),
+        *x_strides, *p_strides, *a_strides,
+        split, t,
+        G=g, G_BLK=max(16, _next_pow2(g)), BLOCK_N=block_n, HEAD_DIM=d, D_BLK=max(16, _next_pow2(d)), PAGE=page,
+        **_dot_flags(key_cache.dtype), HAS_SCORES=scores_out is not None,
+    )
+    _decode_attn_reduce_kernel[grid](
+        sl, logits, pm, pl, pacc, out, sc,
+        *x_strides, *p_strides, *a_strides, out.stride(0), out.stride(1), *s_strides,
+        split, num_splits, t,
+        G=g, G_BLK=_next_pow2(g), BLOCK_N=block_n, HEAD_DIM=d, D_BLK=_next_pow2(d),
+        SPLITS_BLK=max(2, _next_pow2(num_splits)), HAS_SCORES=scores_out is not None,
+    )
+    return out
 
 
 # ---------------------------------------------------------------------------------------

@@ -64,6 +64,22 @@ def test_span_carry_keeps_what_follows_a_kept_token():
     assert sorted(positions[0, plain[0]].tolist()) == [0, 3, 7, 9]
 
 
+def test_span_carry_sinks_are_kept_and_start_no_span():
+    from vllm_kvcompress.selection import SpanCarry
+
+    positions = torch.arange(10).view(1, -1)
+    # Position 0 is an attention sink (score 9); position 5 holds content (score 2).
+    scores = torch.tensor([[9.0, 1, 0, 0, 0, 2, 0, 0, 0, 0]])
+    carried = select_keep(scores, positions, keep=4, sinks=0, recent=1, selection=SpanCarry(span=3))
+    # Without sink tokens the sink's span (0, 1, 2) takes the budget from 5's.
+    assert sorted(carried[0].tolist()) == [0, 1, 2, 9]
+    sunk = select_keep(scores, positions, keep=6, sinks=0, recent=1, selection=SpanCarry(span=3, sink_tokens=2))
+    # Sinks 0 and 1 kept, then 5's span (5, 6, 7); 1's score is carried nowhere.
+    assert sorted(sunk[0].tolist()) == [0, 1, 5, 6, 7, 9]
+    with pytest.raises(ValueError, match="sink_tokens"):
+        SpanCarry(sink_tokens=-1).validate()
+
+
 def test_chunk_selection_keeps_whole_chunks_by_summed_score():
     from vllm_kvcompress.selection import ChunkSelection
 

@@ -54,17 +54,25 @@ class SpanCarry(Selection):
 
     span: int = field(default=8, metadata={"help": "span: a token's score is the largest of itself and the "
                                                    "span - 1 tokens before it"})
+    sink_tokens: int = field(default=0, metadata={"help": "span: the first tokens are kept and start no span "
+                                                          "(attention sinks)"})
 
     def validate(self) -> None:
         if self.span < 1:
             raise ValueError(f"span must be >= 1, got {self.span}")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
 
     def adjust(self, scores, positions, protected):
-        chrono, order = _chronological(scores.masked_fill(protected, float("-inf")), positions)
+        # Attention sinks draw attention from every query, not for what follows
+        # them: carried, their score would keep the span after them instead of
+        # content. They are kept (ranked first) and carry nothing.
+        sinks = positions < self.sink_tokens
+        chrono, order = _chronological(scores.masked_fill(protected | sinks, float("-inf")), positions)
         # Running max over the span ending at each token: -inf padding on the left.
         carried = F.max_pool1d(F.pad(chrono.unsqueeze(0), (self.span - 1, 0), value=float("-inf")),
                                self.span, stride=1).squeeze(0)
-        return scores.scatter(1, order, carried)
+        return scores.scatter(1, order, carried).masked_fill(sinks, float("inf"))
 
 
 @dataclass(frozen=True)

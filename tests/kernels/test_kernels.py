@@ -124,7 +124,7 @@ def test_reference_window_scores_vs_naive(g, dtype):
     q = torch.randn(w, hkv * g, d, generator=gen).to(dtype).to(DEVICE)
     qpos = torch.tensor([3, 10, 18, 19, 20])  # arbitrary ascending physical positions
     scale = d**-0.5
-    got = ref.window_scores(q, k, bt[0], L, qpos, scale)
+    got = ref.window_scores(q, k, bt[0], L, qpos.to(DEVICE), scale)
     want = naive_window(q.cpu(), naive_dense(k, bt[0], L).cpu(), qpos, scale, g)
     assert got.dtype == torch.float32 and got.shape == (hkv * g, L)
     torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=1e-5)
@@ -137,11 +137,11 @@ def test_reference_window_batched_adds_and_pads():
     lens, ws = [9, 1, 30], [4, 1, 7]
     hkv, g, d, bs = 2, 2, 16, 8
     k, _, bt = make_paged(gen, lens, hkv, d, bs, F32)
-    cu = torch.tensor([0, 4, 5, 12])
+    cu = torch.tensor([0, 4, 5, 12], device=DEVICE)
     q = torch.randn(12, hkv * g, d, generator=gen).to(DEVICE)
-    qpos = torch.cat([torch.arange(L - w, L) for L, w in zip(lens, ws)])
+    qpos = torch.cat([torch.arange(L - w, L) for L, w in zip(lens, ws)]).to(DEVICE)
     out0 = torch.rand(3, hkv * g, 32, generator=gen).to(DEVICE)
-    out = ref.window_scores_batched(q, cu, k, bt, torch.tensor(lens), qpos, 0.3, out=out0.clone())
+    out = ref.window_scores_batched(q, cu, k, bt, torch.tensor(lens, device=DEVICE), qpos, 0.3, out=out0.clone())
     for b, L in enumerate(lens):
         one = ref.window_scores(q[cu[b] : cu[b + 1]], k, bt[b], L, qpos[cu[b] : cu[b + 1]], 0.3)
         torch.testing.assert_close(out[b, :, :L], out0[b, :, :L] + one)
@@ -207,18 +207,104 @@ def test_reference_decode_vs_naive(mode):
     noise = tau = lse = None
     if mode.startswith("gumbel"):
         noise = gumbel(gen, (3, hkv * g, 24)).to(DEVICE)
-        tau = 1.7 if mode == "gumbel" else torch.tensor([0.5, 1.0, 2.5])
+        tau = 1.7 if mode == "gumbel" else torch.tensor([0.5, 1.0, 2.5], device=DEVICE)
     if mode == "lse":
         lse = torch.empty(3, hkv * g)
         for r, L in enumerate(lens):
             kd = naive_dense(k, bt[r], L).float().cpu()
             x = torch.einsum("hgd,htd->hgt", q[r].float().cpu().reshape(hkv, g, d), kd) * scale
             lse[r] = torch.logsumexp(x, -1).reshape(-1)
+        lse = lse.to(DEVICE)
     want = naive_decode(q, k, bt, lens, scores, scale, noise, tau, lse)
     tr = None if noise is None else ("gumbel", noise, tau)
-    got = ref.accumulate_decode_scores(q, k, bt, torch.tensor(lens), scores, scale, tr, lse=lse)
+    got = ref.accumulate_decode_scores(q, k, bt, torch.tensor(lens, device=DEVICE), scores, scale, tr, lse=lse)
     assert got is scores  # in place
     torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=1e-5)
+
+
+def naive_decode_attention(q, k, v, bt, lens, scale):
+    """Per request: dense gather, float64 softmax, matmul. -> out [R, Hq, D], probs [R, Hq, max_T]."""
+    nreq, hq, d = q.shape
+    g = hq // k.shape[2]
+    out = torch.zeros(nreq, hq, d, dtype=torch.float64)
+    probs = torch.zeros(nreq, hq, max(lens), dtype=torch.float64)
+    for r, L in enumerate(lens):
+        if L == 0:
+            continue
+        kd, vd = (naive_dense(c, bt[r], L).cpu().double() for c in (k, v))
+        for h in range(hq):
+            p = softmax64(kd[h // g] @ q[r, h].cpu().double() * scale)
+            out[r, h] = p @ vd[h // g]
+            probs[r, h, :L] = p
+    return out, probs
+
+
+@pytest.mark.parametrize("g,bs,dtype,with_scores,chunked", [
+    pytest.param(1, 8, F32, True, False, id="G1-bs8-fp32-scores"),
+    pytest.param(3, 16, BF16, True, True, id="G3-bs16-bf16-scores-chunked"),
+    pytest.param(4, 8, F16, False, False, id="G4-bs8-fp16"),
+    pytest.param(2, 16, F32, False, True, id="G2-bs16-fp32-chunked"),
+])
+def test_reference_decode_attention_vs_naive(g, bs, dtype, with_scores, chunked, monkeypatch):
+    if chunked:  # one request per chunk: the loop over chunks is exercised
+        monkeypatch.setattr(ref, "_CHUNK_ELEMS", 1)
+    gen = torch.Generator().manual_seed(20 + g)
+    lens = [1, 13, 0, 2 * bs + 3]  # length 1, an empty request, not multiples of the block size
+    hkv, d, scale = 2, 16, 0.3
+    k, v, bt = make_paged(gen, lens, hkv, d, bs, dtype)  # shuffled block tables, stale padding ids
+    q = torch.randn(len(lens), hkv * g, d, generator=gen).to(dtype).to(DEVICE)
+    scores0 = torch.rand(len(lens), hkv * g, max(lens) + 4, generator=gen).to(DEVICE)
+    scores = scores0.clone() if with_scores else None
+    out = ref.decode_attention_with_scores(q, k, v, bt, torch.tensor(lens, device=DEVICE), scale, scores)
+    want_out, want_p = naive_decode_attention(q, k, v, bt, lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == F32 else dict(atol=1e-2, rtol=1e-2)  # out rounded to dtype
+    torch.testing.assert_close(out.cpu().double(), want_out, **tol)
+    if with_scores:
+        assert scores is not None
+        want = scores0.cpu().double()
+        want[:, :, : max(lens)] += want_p
+        torch.testing.assert_close(scores.cpu().double(), want, atol=1e-5, rtol=1e-5)  # columns >= seq_len untouched
+
+
+@pytest.mark.parametrize("g,bs", [(1, 16), (4, 8)])
+def test_reference_decode_attention_scores_match_accumulate(g, bs):
+    gen = torch.Generator().manual_seed(30 + g)
+    lens = [7, 1, 3 * bs - 5]
+    k, v, bt = make_paged(gen, lens, 2, 32, bs, BF16)
+    q = torch.randn(3, 2 * g, 32, generator=gen).to(BF16).to(DEVICE)
+    sl = torch.tensor(lens, device=DEVICE)
+    scores0 = torch.rand(3, 2 * g, 50, generator=gen).to(DEVICE)
+    fused, separate = scores0.clone(), scores0.clone()
+    ref.decode_attention_with_scores(q, k, v, bt, sl, 0.2, fused, max_seq_len=max(lens))
+    ref.accumulate_decode_scores(q, k, bt, sl, separate, 0.2, max_seq_len=max(lens))
+    torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_decode_attention_checks():
+    gen = torch.Generator().manual_seed(40)
+    k, v, bt = make_paged(gen, [20, 5], 2, 16, 8, F32, spare_blocks=0)  # bt: 3 + 1 columns
+    q = torch.randn(2, 4, 16, generator=gen).to(DEVICE)
+    sl = torch.tensor([20, 5], device=DEVICE)
+    scores = torch.zeros(2, 4, 20, device=DEVICE)
+    call = ref.decode_attention_with_scores
+    with pytest.raises(ValueError, match="scores_out must be float32"):
+        call(q, k, v, bt, sl, 1.0, scores.double())
+    with pytest.raises(ValueError, match="more than scores_out holds"):
+        call(q, k, v, bt, sl, 1.0, scores[..., :19])
+    with pytest.raises(ValueError, match=r"scores_out must be \[R=2, Hq=4"):
+        call(q, k, v, bt, sl, 1.0, scores[:, :2])
+    with pytest.raises(ValueError, match="block_tables has 2"):
+        call(q, k, v, bt[:, :2], sl, 1.0, None)
+    with pytest.raises(ValueError, match="value_cache"):
+        call(q, k, v[:, :4], bt, sl, 1.0, None)
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        call(q, k, v, bt, sl[:1], 1.0, None)
+    with pytest.raises(ValueError, match="does not fit key_cache"):
+        call(q[:, :3], k, v, bt, sl, 1.0, None)
+    # nothing to attend: zeros, the score buffer untouched
+    out = call(q, k, v, bt, torch.zeros_like(sl), 1.0, scores)
+    assert not out.any() and not scores.any()
 
 
 def naive_compact(k, v, bt, keep, counts, scores):
@@ -382,7 +468,7 @@ def test_triton_decode_scores(g, d, bs, dtype, mode):
     scores0 = torch.rand(nreq, hq, t_buf, generator=gen).to(DEVICE)
     tr = lse = None
     if mode == "gumbel":
-        tau = torch.tensor([1.0, 0.7, 2.0, 1.3]) if g == 3 else 1.5
+        tau = torch.tensor([1.0, 0.7, 2.0, 1.3], device=DEVICE) if g == 3 else 1.5
         tr = ("gumbel", gumbel(gen, (nreq, hq, t_buf)).to(DEVICE), tau)
     if mode == "lse":
         dense = [ref.gather_dense(k, bt[r], L).float() for r, L in enumerate(lens)]
@@ -412,6 +498,59 @@ def test_triton_decode_default_split():
     got = tk().accumulate_decode_scores(q, k, bt, sl, torch.zeros(2, 4, 100, device=DEVICE), 0.125)
     torch.testing.assert_close(got, want, **TOL[BF16])
     torch.testing.assert_close(got.sum(-1), torch.ones(2, 4, device=DEVICE), atol=1e-4, rtol=0)
+
+
+# out is rounded to the input dtype (and on GPU p is rounded to it before p @ V, as in
+# flash-attn), so fp16/bf16 outputs agree to a few units in their last place.
+OUT_TOL = {F32: dict(atol=2e-5, rtol=1e-4), F16: dict(atol=2e-3, rtol=2e-3), BF16: dict(atol=1e-2, rtol=1e-2)}
+
+
+@needs_triton
+@pytest.mark.parametrize("g,d,bs,dtype", CONFIGS)
+def test_triton_decode_attention(g, d, bs, dtype):
+    gen = torch.Generator().manual_seed(g * 1000 + d + bs + 7)
+    lens = ragged_lens(bs)
+    nreq, hq, t_buf = len(lens), HKV * g, max(lens) + 5
+    k, v, bt = make_paged(gen, lens, HKV, d, bs, dtype, kv_layout="HND" if g != 8 else None)
+    q = torch.randn(nreq, hq, d, generator=gen).to(dtype).to(DEVICE)
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = d**-0.5
+    scores0 = torch.rand(nreq, hq, t_buf, generator=gen).to(DEVICE)
+    want_scores = scores0.clone()
+    want = ref.decode_attention_with_scores(q, k, v, bt, sl, scale, want_scores)
+    got_scores = scores0.clone()
+    scratch = torch.empty(nreq, hq, t_buf + 8, device=DEVICE) if g == 8 else None  # caller scratch
+    got = tk().decode_attention_with_scores(q, k, v, bt, sl, scale, got_scores, max_seq_len=max(lens),
+                                            scratch=scratch, split_len=32, block_n=16)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got, want, **OUT_TOL[dtype])
+    torch.testing.assert_close(got_scores, want_scores, **TOL[dtype])
+    for r, L in enumerate(lens):  # columns past seq_len untouched
+        assert torch.equal(got_scores[r, :, L:], scores0[r, :, L:])
+    # attention alone: the same output, no scores
+    alone = tk().decode_attention_with_scores(q, k, v, bt, sl, scale, None, split_len=32, block_n=16)
+    torch.testing.assert_close(alone, want, **OUT_TOL[dtype])
+    # the scores it adds are the ones the separate scoring op adds
+    separate = tk().accumulate_decode_scores(q, k, bt, sl, scores0.clone(), scale, split_len=32, block_n=16)
+    torch.testing.assert_close(got_scores, separate, **TOL[dtype])
+
+
+@needs_triton
+def test_triton_decode_attention_default_split():
+    """Default split/tiling (one split), an empty request, a q of another dtype than the cache."""
+    gen = torch.Generator().manual_seed(14)
+    lens = [100, 0, 3]
+    k, v, bt = make_paged(gen, lens, HKV, 64, 32, F16)
+    q = torch.randn(3, HKV * 4, 64, generator=gen).to(DEVICE)  # fp32 q, fp16 cache
+    sl = torch.tensor(lens, device=DEVICE)
+    want_s, got_s = torch.zeros(3, HKV * 4, 100, device=DEVICE), torch.zeros(3, HKV * 4, 100, device=DEVICE)
+    want = ref.decode_attention_with_scores(q, k, v, bt, sl, 0.125, want_s)
+    got = tk().decode_attention_with_scores(q, k, v, bt, sl, 0.125, got_s)
+    assert got.dtype == F32
+    torch.testing.assert_close(got, want, **OUT_TOL[F16])
+    torch.testing.assert_close(got_s, want_s, **TOL[F16])
+    assert not got[1].any() and not got_s[1].any()
+    torch.testing.assert_close(got_s.sum(-1)[[0, 2]], torch.ones(2, HKV * 4, device=DEVICE), atol=1e-4, rtol=0)
 
 
 @needs_triton
@@ -467,6 +606,46 @@ def test_get_ops_dispatch():
     cuda = get_ops("cuda")
     assert cuda.backend == ("triton" if torch.cuda.is_available() and HAVE_TRITON else "torch")
     assert get_ops("cuda", prefer_triton=False).backend == "torch"
+
+
+def mixed_device_calls():
+    """(op, argument placed on the `meta` device, call) for every reference op that takes
+    more than one tensor; the other tensors live on DEVICE."""
+    gen = torch.Generator().manual_seed(50)
+    k, v, bt = make_paged(gen, [9, 4], 2, 16, 8, F32)
+    q = torch.randn(2, 4, 16, generator=gen).to(DEVICE)
+    sl = torch.tensor([9, 4], device=DEVICE)
+    cu = torch.tensor([0, 1, 2], device=DEVICE)
+    scores = torch.zeros(2, 4, 9, device=DEVICE)
+    keep = torch.tensor([[[0, 2], [1, 3]]] * 2, device=DEVICE)
+    inputs, _ = merged_inputs(gen, 2, 16, 8, F32, tokens=9, retained=2, appended=1)
+    meta = {name: x.to("meta") for name, x in
+            dict(bt=bt, sl=sl, q_pos=sl - 1, keep=keep, scores=scores, key_slot=inputs["key_slot"]).items()}
+    return [
+        ("gather_dense", "block_table_row", lambda: ref.gather_dense(k, meta["bt"][0], 9)),
+        ("window_scores", "q_positions", lambda: ref.window_scores(q, k, bt[0], 9, meta["q_pos"], 1.0)),
+        ("window_scores_batched", "seq_lens",
+         lambda: ref.window_scores_batched(q, cu, k, bt, meta["sl"], sl - 1, 1.0)),
+        ("accumulate_decode_scores", "block_tables",
+         lambda: ref.accumulate_decode_scores(q, k, meta["bt"], sl, scores, 1.0)),
+        ("decode_attention_with_scores", "scores_out",
+         lambda: ref.decode_attention_with_scores(q, k, v, bt, sl, 1.0, meta["scores"])),
+        ("compact_kv_batched", "keep_idx", lambda: ref.compact_kv_batched(k, v, bt, meta["keep"])),
+        ("merged_attention", "key_slot",
+         lambda: ref.merged_attention(q[:1], sl[:1] - 1, 1.0, **{**inputs, "key_slot": meta["key_slot"]})),
+    ]
+
+
+def test_reference_ops_refuse_mixed_devices():
+    """A tensor on another device is a clear ValueError naming the op, the argument and
+    both devices, raised before any work (nothing is moved between devices)."""
+    calls = mixed_device_calls()
+    assert {op for op, _, _ in calls} >= set(OP_NAMES) - {"split_kv_cache"}  # one tensor: nothing to mix
+    for op, arg, call in calls:
+        with pytest.raises(ValueError) as err:
+            call()
+        msg = str(err.value)
+        assert msg.startswith(f"{op}: {arg} is on meta but ") and str(torch.device(DEVICE).type) in msg, msg
 
 
 @needs_triton
@@ -536,7 +715,7 @@ def test_reference_merged_attention_vs_naive():
     inputs, hkv = merged_inputs(gen, 2, 16, 8, F32, tokens=37, retained=4, appended=6)
     query = torch.randn(5, 2 * hkv, 16, generator=gen).to(DEVICE)
     q_pos = torch.tensor([3, 36, 37, 40, 42])
-    got = ref.merged_attention(query, q_pos, 0.25, **inputs)
+    got = ref.merged_attention(query, q_pos.to(DEVICE), 0.25, **inputs)
     torch.testing.assert_close(got.cpu(), naive_merged_attention(query, q_pos, 0.25, inputs), atol=1e-5, rtol=1e-5)
 
 

@@ -114,7 +114,7 @@ class StepObservation:
         rows = output.view(output.shape[0], -1)
         key_view, value_view = worker.views(kv_cache)
         for r in self.masked:
-            q_phys, seq_len, block_ids = r.q_physical[group], r.seq_lens[group], r.block_ids[group]
+            q_phys, seq_len, block_ids = r.q_physical[group], r.seq_lens[group], r.block_ids[group].to(kv_cache.device)
             dead = r.state.dead_slots(layer, seq_len)
             if dead is None:
                 continue
