@@ -46,8 +46,11 @@ class RequestCompression:
     `num_q_heads` are the heads this worker holds (`shard`)."""
 
     def __init__(self, plan: CompressionPlan, num_layers: int, num_kv_heads: int, num_q_heads: int,
-                 shard: HeadShard = ONE_DEVICE) -> None:
+                 shard: HeadShard = ONE_DEVICE, device: torch.device | str = "cpu") -> None:
         self.plan = plan
+        # Where the cache is: attention scores accumulate there and per-head
+        # masks live there; only selections (decisions) read them on the host.
+        self.device = torch.device(device)
         self.scorer = plan.scorer
         self.shard = shard
         self.num_q_heads = num_q_heads
@@ -167,8 +170,9 @@ class RequestCompression:
         self.accumulate(layer, probs[:, -1] if self.scorer.observe is Observe.LAST else probs.sum(dim=1))
 
     def accumulate(self, layer: int, attention: torch.Tensor) -> None:
-        """Add this step's [Hq, T] attention (summed over its observed queries)."""
-        attention = attention.to("cpu", torch.float32)
+        """Add this step's [Hq, T] attention (summed over its observed queries),
+        on the device it was computed on: no copy to the host per step."""
+        attention = attention.to(torch.float32)
         acc = self.attention[layer]
         if acc is None or self.scorer.observe is Observe.LAST:
             self.attention[layer] = attention.clone()
@@ -191,7 +195,8 @@ class RequestCompression:
         if self.plan.allocation.per_head:
             return tuple(int(self._ranked_counts(layer)[2]) for layer in range(self.num_layers))
         # Every rank's query heads: all ranks derive the same budgets.
-        attention = [self.shard.all_heads(a if a is not None else torch.zeros(self.num_q_heads, 0))
+        attention = [self.shard.all_heads(a if a is not None else torch.zeros(self.num_q_heads, 0,
+                                                                               device=self.device)).cpu()
                      for a in self.attention]
         budgets = tuple(self.plan.allocation.attention_budgets(attention, self.plan.budget, self.scorer.min_budget()))
         if self.num_compressions == 0:
@@ -271,7 +276,8 @@ class RequestCompression:
         if acc is not None:
             acc = _pad_tokens(acc, positions.shape[-1])
         obs = Observation(
-            attention=None if acc is None else acc.clone(),
+            # A decision: the scores come to the host (a copy the scorer may modify).
+            attention=None if acc is None else acc.to("cpu", copy=True),
             positions=positions,
             num_kv_heads=self.num_kv_heads,
             layer=layer,
@@ -285,12 +291,14 @@ class RequestCompression:
     def compact(self, layer: int, keep_idx: torch.Tensor) -> None:
         """Move this layer's bookkeeping the way its K/V were moved."""
         self._kept[layer] = torch.gather(self.positions(layer), 1, keep_idx)
-        self.dead[layer] = self._dead_after.pop(layer, None)
+        dead = self._dead_after.pop(layer, None)
+        # Built once per compaction, uploaded once: every later step masks with it.
+        self.dead[layer] = None if dead is None else dead.to(self.device)
         acc = self.attention[layer]
         if acc is not None:
             acc = _pad_tokens(acc, int(keep_idx.max()) + 1)
             q_idx = keep_idx.repeat_interleave(self.group, dim=0)
-            self.attention[layer] = torch.gather(acc, 1, q_idx)
+            self.attention[layer] = torch.gather(acc, 1, q_idx.to(acc.device))
 
     def finish_compaction(self) -> None:
         """All layers are compacted: the appended tail now lives in `_kept`."""

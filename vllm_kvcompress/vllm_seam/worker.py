@@ -37,14 +37,24 @@ QUERY_CHUNK = 512  # observed queries scored at once (bounds the [Hq, n, T] logi
 NOISE_ELEMENTS = 1 << 24  # noisy scoring: most [rows, Hq, T] floats materialised at once
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA through pinned memory, asynchronously:
+    a copy from pageable memory would wait for the device (a host sync)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class StepRequest:
-    """One request's queries in the running step, and where its cache is."""
+    """One request's queries in the running step, and where its cache is.
+    Index tensors are on the cache's device (uploaded once per step, read by
+    every layer); logical positions stay on the host, where decisions are made."""
 
     request_id: str
     state: RequestCompression
     token_idx: torch.Tensor  # rows of the step's query tensor
-    q_logical: torch.Tensor  # [n] logical (RoPE) positions
+    q_logical: torch.Tensor  # [n] logical (RoPE) positions, on the host
     # Per KV cache group: physical slots of the queries, keys visible, block ids.
     q_physical: list[torch.Tensor]
     seq_lens: list[int]
@@ -67,15 +77,14 @@ class ScoringBatch:
     @classmethod
     def build(cls, requests: list[StepRequest], group: int, device) -> ScoringBatch:
         lens = [len(r.token_idx) for r in requests]
-        tables = _padded([r.block_ids[group] for r in requests])
         seq_lens = [r.seq_lens[group] for r in requests]
         return cls(
             requests=requests,
             token_idx=torch.cat([r.token_idx for r in requests]),
-            cu_q_lens=torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64).to(device),
-            block_tables=tables.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device),
-            q_positions=torch.cat([r.q_physical[group] for r in requests]).to(device),
+            cu_q_lens=upload(torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64), device),
+            block_tables=_padded([r.block_ids[group] for r in requests], device),
+            seq_lens=upload(torch.tensor(seq_lens, dtype=torch.int64), device),
+            q_positions=torch.cat([r.q_physical[group] for r in requests]),
             max_seq_len=max(seq_lens),
         )
 
@@ -95,8 +104,7 @@ class StepObservation:
     def _batch(self, group: int) -> ScoringBatch | None:
         if group not in self._batches:
             plain = [r for r in self.observed if not r.state.noisy]
-            device = self.worker.layers[0].kv_cache.device
-            self._batches[group] = ScoringBatch.build(plain, group, device) if plain else None
+            self._batches[group] = ScoringBatch.build(plain, group, self.worker.device) if plain else None
         return self._batches[group]
 
     def mask_heads(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
@@ -114,7 +122,7 @@ class StepObservation:
         rows = output.view(output.shape[0], -1)
         key_view, value_view = worker.views(kv_cache)
         for r in self.masked:
-            q_phys, seq_len, block_ids = r.q_physical[group], r.seq_lens[group], r.block_ids[group].to(kv_cache.device)
+            q_phys, seq_len, block_ids = r.q_physical[group], r.seq_lens[group], r.block_ids[group]
             dead = r.state.dead_slots(layer, seq_len)
             if dead is None:
                 continue
@@ -124,10 +132,10 @@ class StepObservation:
                 logits = _causal_logits(query[r.token_idx[sl]], keys, q_phys[sl], worker.scales[layer])  # [Hq, n, S]
                 hq, n, _ = logits.shape
                 logits = logits.view(len(keys), -1, seq_len)  # [Hkv, G*n, S]: one bmm per KV head
-                logits.masked_fill_(dead.to(logits.device).unsqueeze(1), float("-inf"))
+                logits.masked_fill_(dead.unsqueeze(1), float("-inf"))
                 out = torch.bmm(torch.softmax(logits, dim=-1), values)  # [Hkv, G*n, D]
                 out = out.view(hq, n, -1).transpose(0, 1).reshape(n, -1)
-                rows[r.token_idx[sl].to(rows.device)] = out.to(rows.dtype)
+                rows[r.token_idx[sl]] = out.to(rows.dtype)
 
     def attend_merged(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor,
                       output: torch.Tensor) -> None:
@@ -152,13 +160,12 @@ class StepObservation:
             if r.seq_lens[g_lo] - m.tokens != r.seq_lens[g_up] - m.retained:
                 raise RuntimeError(f"kv_compress: request {r.request_id} merged layers {m.lower} and {layer} "
                                    f"hold {r.seq_lens[g_lo]} and {r.seq_lens[g_up]} slots")
-            device = kv_cache.device
             out = worker.ops.merged_attention(
-                query[r.token_idx.to(query.device)], r.q_physical[g_lo].to(device), worker.scales[layer],
-                lower_keys, lower_values, r.block_ids[g_lo].to(device),
-                upper_keys, upper_values, r.block_ids[g_up].to(device), r.seq_lens[g_up], m.retained,
+                query[r.token_idx], r.q_physical[g_lo], worker.scales[layer],
+                lower_keys, lower_values, r.block_ids[g_lo],
+                upper_keys, upper_values, r.block_ids[g_up], r.seq_lens[g_up], m.retained,
                 m.key_slot, m.key_scale, m.value_slot, m.value_scale)
-            rows[r.token_idx.to(rows.device)] = out.reshape(len(r.token_idx), -1).to(rows.dtype)
+            rows[r.token_idx] = out.reshape(len(r.token_idx), -1).to(rows.dtype)
 
     def observe(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         worker = self.worker
@@ -171,7 +178,7 @@ class StepObservation:
         batch = self._batch(group)
         if batch is not None:
             # One op over every request: softmax sums per cached slot.
-            q = query[batch.token_idx.to(query.device)]
+            q = query[batch.token_idx]
             scores = worker.ops.window_scores_batched(
                 q, batch.cu_q_lens, keys, batch.block_tables, batch.seq_lens, batch.q_positions,
                 worker.scales[layer], max_seq_len=batch.max_seq_len)
@@ -202,19 +209,26 @@ class StepObservation:
             assert noise is not None
             rows = len(r.token_idx[sl])
             scores = torch.zeros(rows, heads, seq_len, dtype=torch.float32, device=device)
+            # The noise is a hash of logical coordinates, made on the host (base.hash_uniform).
             self.worker.ops.accumulate_decode_scores(
-                query[r.token_idx[sl].to(query.device)], keys, r.block_ids[group].to(device).expand(rows, -1),
-                (r.q_physical[group][sl] + 1).to(device), scores, self.worker.scales[layer],
-                ("gumbel", noise.noise.to(device).transpose(0, 1), noise.tau), max_seq_len=seq_len)
+                query[r.token_idx[sl]], keys, r.block_ids[group].expand(rows, -1),
+                r.q_physical[group][sl] + 1, scores, self.worker.scales[layer],
+                ("gumbel", upload(noise.noise, device).transpose(0, 1), noise.tau), max_seq_len=seq_len)
             total += scores.sum(dim=0)
         r.state.accumulate(layer, total)
 
 
-def _padded(rows) -> torch.Tensor:
-    """Block id rows (lists or tensors) as one [R, widest] table (zero padded)."""
-    table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64)
+def _padded(rows, device: torch.device) -> torch.Tensor:
+    """Block id rows (host lists, or tensors already on `device`) as one
+    [R, widest] table on `device` (zero padded)."""
+    if not all(isinstance(r, torch.Tensor) for r in rows):
+        table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+        return upload(table, device)
+    table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64, device=device)
     for i, r in enumerate(rows):
-        table[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+        table[i, : len(r)] = r
     return table
 
 
@@ -386,7 +400,8 @@ class WorkerCompression:
                 f"FLASH_ATTN on CUDA); refusing to compact a cache layout it does not know"
             )
         self.views = LAYOUTS[backend]
-        self.ops = get_ops(first.kv_cache.device.type)
+        self.device = first.kv_cache.device
+        self.ops = get_ops(self.device.type)
         check_layout(first, self.views, self.ops, CACHE_WRITERS[backend], backend)
         self.states: dict[str, RequestCompression] = {}
         self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group
@@ -412,7 +427,7 @@ class WorkerCompression:
             self.states.pop(started.request_id, None)
             if started.plan is not None:
                 self.states[started.request_id] = RequestCompression(
-                    started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard)
+                    started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard, self.device)
         if plan.compactions:
             start = time.perf_counter()
             self.compact(plan.compactions)
@@ -439,7 +454,7 @@ class WorkerCompression:
                     raise RuntimeError(
                         f"kv_compress: request {c.request_id} layer {layer} tracks {state.num_tokens(layer)} "
                         f"tokens, scheduler says {c.old_lengths[self.group_of_layer[layer]]}")
-        device = self.layers[0].kv_cache.device
+        device = self.device
         bs = self.block_size
         tables, op_tables = {}, {}
         # (first slot copied, fresh slots) per (request, group) that copies.
@@ -455,8 +470,8 @@ class WorkerCompression:
                     first, fresh = copy
                     op_rows.append(list(fresh) + ids[g][first:])
                     copied[i, g] = (first * bs, len(fresh) * bs)
-            tables[g] = _padded(rows).to(device)
-            op_tables[g] = tables[g] if not any(k[1] == g for k in copied) else _padded(op_rows).to(device)
+            tables[g] = _padded(rows, device)
+            op_tables[g] = tables[g] if not any(k[1] == g for k in copied) else _padded(op_rows, device)
         # MiniCache pairs merge at their first compaction: both layers of a
         # pair leave the batched op, and are written once both are selected.
         merging = [{layer for pair in state.lower_of.items() for layer in pair} if not state.merged else set()
@@ -478,8 +493,8 @@ class WorkerCompression:
                 for j, k in enumerate(op_keeps):
                     keep_idx[j, :, : k.shape[1]] = k
                 counts = torch.tensor([[k.shape[1]] * self.num_kv_heads for k in op_keeps], dtype=torch.int64)
-                table = op_tables[g] if len(batch) == len(keeps) else op_tables[g][torch.tensor(batch, device=device)]
-                self.ops.compact_kv_batched(keys, values, table, keep_idx.to(device), counts.to(device))
+                table = op_tables[g] if len(batch) == len(keeps) else op_tables[g][upload(torch.tensor(batch), device)]
+                self.ops.compact_kv_batched(keys, values, table, upload(keep_idx, device), upload(counts, device))
             for i in range(len(keeps)):
                 if layer not in merging[i]:
                     continue
@@ -545,18 +560,26 @@ class WorkerCompression:
         offsets = np.zeros((num_reqs, self.num_vllm_groups), dtype=np.int64)
         offsets[:, list(self.vllm_groups)] = evicted
         positions = runner.positions[:total]
-        physical = [positions] * self.num_groups
+        # The same logical positions on the host, as vLLM derives them (its
+        # tensor may be on the GPU: reading it back would be a host sync).
+        positions_host = torch.from_numpy(
+            np.repeat(batch.num_computed_tokens_cpu[:num_reqs] - starts, num_scheduled_tokens) + np.arange(total)
+        ).to(torch.int64)
+        if positions.device.type == "cpu" and not torch.equal(positions, positions_host):
+            raise RuntimeError("kv_compress: the runner's positions are not num_computed_tokens + query offset")
+        physical_host = [positions_host] * self.num_groups
         if offsets.any():
             for g, vg in enumerate(self.vllm_groups):
                 if offsets[:, vg].any():
                     per_token = torch.from_numpy(np.repeat(offsets[:, vg], num_scheduled_tokens))
-                    physical[g] = positions - per_token.to(positions.device)
+                    physical_host[g] = positions_host - per_token
                     batch.block_table[vg].compute_slot_mapping(
-                        num_reqs, runner.query_start_loc.gpu[: num_reqs + 1], physical[g])
+                        num_reqs, runner.query_start_loc.gpu[: num_reqs + 1],
+                        positions - upload(per_token, positions.device))
             # seq_lens are shared by all groups' metadata: vLLM group 0's lengths
             # here, the other groups' differences applied when their metadata is built.
             off = torch.from_numpy(offsets[:, 0]).to(torch.int32)
-            runner.seq_lens[:num_reqs] -= off.to(runner.seq_lens.device, runner.seq_lens.dtype)
+            runner.seq_lens[:num_reqs] -= upload(off, runner.seq_lens.device).to(runner.seq_lens.dtype)
             runner.optimistic_seq_lens_cpu[:num_reqs] -= off.to(runner.optimistic_seq_lens_cpu.dtype)
             deltas = {g: torch.from_numpy(offsets[:, g] - offsets[:, 0]).to(torch.int32)
                       for g in range(1, self.num_vllm_groups) if (offsets[:, g] != offsets[:, 0]).any()}
@@ -567,24 +590,26 @@ class WorkerCompression:
             if state is None:
                 continue
             sl = slice(int(starts[i]), int(starts[i]) + int(num_scheduled_tokens[i]))
-            q_log = positions[sl].cpu()
+            q_log = positions_host[sl]
             state.append(q_log)
             observed = state.observed(q_log)
             if observed.any():
-                step.observed.append(self._step_request(rid, state, sl, observed, q_log, physical))
+                step.observed.append(self._step_request(rid, state, sl, observed, q_log, physical_host))
             if any(d is not None for d in state.dead):
-                step.masked.append(self._step_request(rid, state, sl, slice(None), q_log, physical))
+                step.masked.append(self._step_request(rid, state, sl, slice(None), q_log, physical_host))
             if state.merged:
-                step.merged.append(self._step_request(rid, state, sl, slice(None), q_log, physical))
+                step.merged.append(self._step_request(rid, state, sl, slice(None), q_log, physical_host))
         set_active(step if step.observed or step.masked or step.merged else None)
 
     def _step_request(self, rid: str, state: RequestCompression, sl: slice, mask, q_log, physical) -> StepRequest:
-        """A request's selected queries in this step."""
+        """A request's selected queries in this step, its index tensors
+        uploaded to the cache's device once (`physical`: host positions)."""
         return StepRequest(
-            request_id=rid, state=state, token_idx=torch.arange(sl.start, sl.stop)[mask], q_logical=q_log[mask],
-            q_physical=[p[sl].cpu()[mask] for p in physical],
+            request_id=rid, state=state, token_idx=upload(torch.arange(sl.start, sl.stop)[mask], self.device),
+            q_logical=q_log[mask],
+            q_physical=[upload(p[sl][mask], self.device) for p in physical],
             seq_lens=[int(p[sl.stop - 1]) + 1 for p in physical],
-            block_ids=[torch.tensor(self.runner.requests[rid].block_ids[vg], dtype=torch.int64)
+            block_ids=[upload(torch.tensor(self.runner.requests[rid].block_ids[vg], dtype=torch.int64), self.device)
                        for vg in self.vllm_groups],
         )
 
@@ -618,12 +643,14 @@ def wrap_build_metadata(original):
             if cm.num_reqs != len(delta):
                 raise RuntimeError(f"kv_compress: metadata for {cm.num_reqs} requests, step planned {len(delta)}")
             seq_lens = cm.seq_lens.clone()
-            seq_lens[: len(delta)] -= delta.to(seq_lens.device, seq_lens.dtype)
+            seq_lens[: len(delta)] -= upload(delta, seq_lens.device).to(seq_lens.dtype)
             upper = cm.seq_lens_cpu_upper_bound
             if upper is not None:
                 upper = upper.clone()
                 upper[: len(delta)] -= delta.to(upper.dtype)
-            longest = int(seq_lens[: len(delta)].max()) if len(delta) else 0
+            # The longest from the host bound when there is one (no read-back).
+            bound = upper if upper is not None else seq_lens
+            longest = int(bound[: len(delta)].max()) if len(delta) else 0
             common_attn_metadata = cm.replace(seq_lens=seq_lens, seq_lens_cpu_upper_bound=upper,
                                               max_seq_len=max(cm.max_seq_len, longest),
                                               _num_computed_tokens_cache=None)
