@@ -7,8 +7,11 @@
 # end-to-end step, which is skipped, and says so, when vLLM is not importable.
 #   1. install this package without dependencies (works offline);
 #   2. the kernel tests compiled for the GPU (CI runs them in Triton's interpreter);
-#   3. benchmarks/kernels.py: Triton vs torch vs the bytes-moved floor;
-#   4. scripts/gpu_e2e.py: vLLM on the GPU with the plugin (FLASH_ATTN).
+#   3. the GPU harness without vLLM (tests/test_paged_decoder.py -k cuda): the
+#      worker's CUDA path on FLASH_ATTN caches equals its CPU run, no host syncs;
+#   4. benchmarks/kernels.py: Triton vs torch vs the bytes-moved floor (incl.
+#      fused decode attention + scores vs attention alone);
+#   5. scripts/gpu_e2e.py: vLLM on the GPU with the plugin (FLASH_ATTN).
 # Results go to OUT_DIR (default $OUT, else ./gpu_check_out). Exit status 1 if
 # any step that ran failed.
 set -uo pipefail
@@ -30,6 +33,10 @@ $PY -m pip install -q --no-deps --no-build-isolation --no-index . || exit 1
 echo "== kernel tests on the GPU"
 timeout 300 $PY -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels tests/kernels 2>&1 \
     | tee "$OUT_DIR/kernel_tests.txt" || failed=1
+
+echo "== the worker's CUDA path without vLLM (kvc_tools.paged_decoder: CUDA vs CPU, no host syncs)"
+timeout 300 $PY -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels tests/test_paged_decoder.py -k cuda 2>&1 \
+    | tee "$OUT_DIR/paged_harness.txt" || failed=1
 
 echo "== kernel benchmark"
 timeout 240 $PY benchmarks/kernels.py --out "$OUT_DIR/kernels.md" 2>&1 | tee "$OUT_DIR/kernels_log.txt" || failed=1

@@ -16,12 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from ..cache_layout import LAYOUTS
+from ..cache_layout import LAYOUTS, KVViews
 from ..compression import MergedUpper, RequestCompression
 from ..config import CONFIG_KEY, KVCompressConfig
 from ..kernels import get_ops
@@ -33,8 +35,12 @@ from .metrics import SnapshotWriter
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
-QUERY_CHUNK = 512  # observed queries scored at once (bounds the [Hq, n, T] logits)
-NOISE_ELEMENTS = 1 << 24  # noisy scoring: most [rows, Hq, T] floats materialised at once
+# Scratch bounds, in elements: the per-head masked pass materialises at most
+# MASK_ELEMENTS of its [Hq, n, S] mask (bool) and attention weights at once,
+# noisy scoring at most NOISE_ELEMENTS floats of [rows, Hq, T]; the kernel
+# ops bound their own (kernels/reference.py, _CHUNK_ELEMS).
+MASK_ELEMENTS = 1 << 24
+NOISE_ELEMENTS = 1 << 24
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -73,6 +79,7 @@ class ScoringBatch:
     seq_lens: torch.Tensor
     q_positions: torch.Tensor
     max_seq_len: int
+    max_q_len: int
 
     @classmethod
     def build(cls, requests: list[StepRequest], group: int, device) -> ScoringBatch:
@@ -86,6 +93,7 @@ class ScoringBatch:
             seq_lens=upload(torch.tensor(seq_lens, dtype=torch.int64), device),
             q_positions=torch.cat([r.q_physical[group] for r in requests]),
             max_seq_len=max(seq_lens),
+            max_q_len=max(lens),
         )
 
 
@@ -111,8 +119,9 @@ class StepObservation:
         """Redo attention for requests whose heads keep different counts.
 
         vLLM's kernels take one length per request and layer; here each KV
-        head's evicted slots are masked (in torch, over the gathered cache)
-        and the rows of `output` are overwritten.
+        head's evicted slots are masked (torch's SDPA in the model's dtype,
+        every head in one call, over the gathered cache; the masks were
+        uploaded at compaction) and the rows of `output` are overwritten.
         """
         worker = self.worker
         layer = worker.layer_of.get(layer_name)
@@ -126,16 +135,16 @@ class StepObservation:
             dead = r.state.dead_slots(layer, seq_len)
             if dead is None:
                 continue
-            keys = worker.ops.gather_dense(key_view, block_ids, seq_len).to(torch.float32)
-            values = worker.ops.gather_dense(value_view, block_ids, seq_len).to(torch.float32)
-            for sl in _chunks(len(r.token_idx)):
-                logits = _causal_logits(query[r.token_idx[sl]], keys, q_phys[sl], worker.scales[layer])  # [Hq, n, S]
-                hq, n, _ = logits.shape
-                logits = logits.view(len(keys), -1, seq_len)  # [Hkv, G*n, S]: one bmm per KV head
-                logits.masked_fill_(dead.unsqueeze(1), float("-inf"))
-                out = torch.bmm(torch.softmax(logits, dim=-1), values)  # [Hkv, G*n, D]
-                out = out.view(hq, n, -1).transpose(0, 1).reshape(n, -1)
-                rows[r.token_idx[sl]] = out.to(rows.dtype)
+            keys = worker.ops.gather_dense(key_view, block_ids, seq_len).unsqueeze(0)  # [1, Hkv, S, D]
+            values = worker.ops.gather_dense(value_view, block_ids, seq_len).unsqueeze(0)
+            live = ~dead.repeat_interleave(query.shape[1] // len(dead), dim=0).unsqueeze(1)  # [Hq, 1, S]
+            key_slot = torch.arange(seq_len, device=live.device)
+            for sl in _chunks(len(r.token_idx), query.shape[1] * seq_len):
+                q = query[r.token_idx[sl]].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, Hq, n, D]
+                mask = live & (key_slot <= q_phys[sl].unsqueeze(1))  # [Hq, n, S]: live and causal
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(0),
+                                                     scale=worker.scales[layer], enable_gqa=True)
+                rows[r.token_idx[sl]] = out[0].transpose(0, 1).reshape(q.shape[2], -1).to(rows.dtype)
 
     def attend_merged(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor,
                       output: torch.Tensor) -> None:
@@ -181,7 +190,7 @@ class StepObservation:
             q = query[batch.token_idx]
             scores = worker.ops.window_scores_batched(
                 q, batch.cu_q_lens, keys, batch.block_tables, batch.seq_lens, batch.q_positions,
-                worker.scales[layer], max_seq_len=batch.max_seq_len)
+                worker.scales[layer], max_seq_len=batch.max_seq_len, max_q_len=batch.max_q_len)
             for i, r in enumerate(batch.requests):
                 r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
         for r in self.observed:
@@ -258,20 +267,10 @@ def _write_slots(key_view: torch.Tensor, value_view: torch.Tensor, row, keys: to
     value_view[blocks, slots % block] = values.transpose(0, 1).to(value_view.dtype)
 
 
-def _causal_logits(query: torch.Tensor, keys: torch.Tensor, q_phys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Scaled q.k [Hq, n, S] of queries [n, Hq, D] over one request's keys
-    [Hkv, S, D], -inf past each query's own slot. Query heads are grouped by
-    KV head (GQA); K is never repeated per query head."""
-    hkv, seq_len, d = keys.shape
-    n = query.shape[0]
-    q = query.to(torch.float32).permute(1, 0, 2).reshape(hkv, -1, d)  # [Hkv, G*n, D]
-    logits = torch.bmm(q, keys.transpose(1, 2)).view(-1, n, seq_len) * scale
-    key_pos = torch.arange(seq_len, device=keys.device)
-    return logits.masked_fill_(key_pos.view(1, 1, -1) > q_phys.to(keys.device).view(1, -1, 1), float("-inf"))
-
-
-def _chunks(num_queries: int):
-    return (slice(i, i + QUERY_CHUNK) for i in range(0, num_queries, QUERY_CHUNK))
+def _chunks(num_queries: int, elements_per_query: int):
+    """Query slices whose [Hq, n, S] scratch stays within MASK_ELEMENTS."""
+    step = max(1, MASK_ELEMENTS // max(1, elements_per_query))
+    return (slice(i, i + step) for i in range(0, num_queries, step))
 
 
 # ------------------------------------------------------------ cache layouts
@@ -357,7 +356,6 @@ class WorkerCompression:
     """Compression state of one model runner."""
 
     def __init__(self, runner) -> None:
-        self.runner = runner
         config = KVCompressConfig.from_dict(runner.vllm_config.additional_config[CONFIG_KEY])
         context = runner.compilation_config.static_forward_context
         attn_layers = {layer_index(name): m for name, m in context.items()
@@ -369,49 +367,62 @@ class WorkerCompression:
         compressed = CompressedLayers.from_groups(groups)
         if sorted(attn_layers) != list(range(len(attn_layers))) or not set(compressed.layers) <= set(attn_layers):
             raise RuntimeError(f"kv_compress: unexpected attention layers {sorted(attn_layers)}")
-        self.layers = [attn_layers[i] for i in compressed.layers]
-        self.layer_of = {layer.layer_name: i for i, layer in enumerate(self.layers)}
-        first = self.layers[0]
-        self.num_layers = len(self.layers)
-        self.num_kv_heads = first.num_kv_heads  # this rank's (tensor parallelism splits heads)
-        self.num_q_heads = first.num_heads
-        self.shard = tensor_parallel_shard()
-        self.scales = [layer.impl.scale for layer in self.layers]
-        for layer in self.layers:
+        layers = [attn_layers[i] for i in compressed.layers]
+        for layer in layers:
             check_scoring_exact(layer)
-        self.group_of_layer = list(compressed.group_of_layer)
-        self.vllm_groups = compressed.vllm_groups
-        self.num_vllm_groups = compressed.num_vllm_groups
-        self.num_groups = len(self.vllm_groups)
-        self.block_size = groups[self.vllm_groups[0]].kv_cache_spec.block_size
-        for g in self.vllm_groups:
+        block_size = groups[compressed.vllm_groups[0]].kv_cache_spec.block_size
+        for g in compressed.vllm_groups:
             table = runner.input_batch.block_table[g]
-            if table.block_size != self.block_size:
+            if table.block_size != block_size:
                 raise RuntimeError(
                     f"kv_compress: kernel block size {table.block_size} differs from the KV manager's "
-                    f"{self.block_size}; choose --block-size as a multiple of 32 that the backend uses as is"
+                    f"{block_size}; choose --block-size as a multiple of 32 that the backend uses as is"
                 )
         # Dispatch, once: the cache views by attention backend, the kernel
         # ops by device (Triton on CUDA, torch elsewhere).
-        backend = first.attn_backend.get_name()
+        backend = layers[0].attn_backend.get_name()
         if backend not in LAYOUTS:
             raise RuntimeError(
                 f"kv_compress: attention backend {backend} is not supported (CPU_ATTN on CPU, "
                 f"FLASH_ATTN on CUDA); refusing to compact a cache layout it does not know"
             )
-        self.views = LAYOUTS[backend]
+        self.setup(runner, layers, compressed.group_of_layer, compressed.vllm_groups, compressed.num_vllm_groups,
+                   block_size, LAYOUTS[backend], tensor_parallel_shard())
+        check_layout(layers[0], self.views, self.ops, CACHE_WRITERS[backend], backend)
+        logger.info("kv_compress worker ready (pid %d, tensor-parallel rank %d of %d): %s, %d layers, block %d, "
+                    "%s cache, %s ops", os.getpid(), self.shard.rank, self.shard.size, config.to_dict(),
+                    self.num_layers, self.block_size, backend, self.ops.backend)
+
+    def setup(self, runner, layers, group_of_layer, vllm_groups, num_vllm_groups: int, block_size: int,
+              views: Callable[[torch.Tensor], KVViews], shard: HeadShard) -> None:
+        """The state every step reads, from the compressed attention layers
+        (each with `layer_name`, `kv_cache`, `num_heads`, `num_kv_heads` and
+        `impl.scale`) and the runner's per-request block ids
+        (`runner.requests[id].block_ids`). The GPU harness without vLLM
+        (kvc_tools.paged_decoder) builds a worker through here as well."""
+        self.runner = runner
+        self.layers = list(layers)
+        self.layer_of = {layer.layer_name: i for i, layer in enumerate(self.layers)}
+        first = self.layers[0]
+        self.num_layers = len(self.layers)
+        self.num_kv_heads = first.num_kv_heads  # this rank's (tensor parallelism splits heads)
+        self.num_q_heads = first.num_heads
+        self.shard = shard
+        self.scales = [layer.impl.scale for layer in self.layers]
+        self.group_of_layer = list(group_of_layer)
+        self.vllm_groups = vllm_groups
+        self.num_vllm_groups = num_vllm_groups
+        self.num_groups = len(self.vllm_groups)
+        self.block_size = block_size
+        self.views = views
         self.device = first.kv_cache.device
         self.ops = get_ops(self.device.type)
-        check_layout(first, self.views, self.ops, CACHE_WRITERS[backend], backend)
         self.states: dict[str, RequestCompression] = {}
         self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group
         # Per-layer budgets decided from this step's attention, for the scheduler.
         self.reported: list[ReportedBudgets] = []
         self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
         self.snapshot = SnapshotWriter("worker")
-        logger.info("kv_compress worker ready (pid %d, tensor-parallel rank %d of %d): %s, %d layers, block %d, "
-                    "%s cache, %s ops", os.getpid(), self.shard.rank, self.shard.size, config.to_dict(),
-                    self.num_layers, self.block_size, backend, self.ops.backend)
 
     # ------------------------------------------------------------ _update_states
 
@@ -584,6 +595,13 @@ class WorkerCompression:
             deltas = {g: torch.from_numpy(offsets[:, g] - offsets[:, 0]).to(torch.int32)
                       for g in range(1, self.num_vllm_groups) if (offsets[:, g] != offsets[:, 0]).any()}
             set_group_seq_len_deltas(deltas or None)
+        set_active(self.observation(req_ids, starts, num_scheduled_tokens, positions_host, physical_host))
+
+    def observation(self, req_ids, starts, num_scheduled_tokens, positions_host: torch.Tensor,
+                    physical_host: list[torch.Tensor]) -> StepObservation | None:
+        """The step's queries to observe, mask or merge (None: none): request
+        i's queries are rows starts[i]..+num_scheduled_tokens[i], at logical
+        `positions_host` and per group physical `physical_host` (host tensors)."""
         step = StepObservation(self)
         for i, rid in enumerate(req_ids):
             state = self.states.get(rid)
@@ -599,7 +617,7 @@ class WorkerCompression:
                 step.masked.append(self._step_request(rid, state, sl, slice(None), q_log, physical_host))
             if state.merged:
                 step.merged.append(self._step_request(rid, state, sl, slice(None), q_log, physical_host))
-        set_active(step if step.observed or step.masked or step.merged else None)
+        return step if step.observed or step.masked or step.merged else None
 
     def _step_request(self, rid: str, state: RequestCompression, sl: slice, mask, q_log, physical) -> StepRequest:
         """A request's selected queries in this step, its index tensors

@@ -1,0 +1,102 @@
+"""The GPU harness without vLLM (kvc_tools.paged_decoder) on CPU: the worker's
+CUDA-side parts on vLLM 0.32's FLASH_ATTN cache layout, driven by the planner,
+must give the reference decoder's tokens and kept positions. On a GPU,
+scripts/gpu_check.sh runs the same harness on CUDA against its CPU run."""
+
+import pytest
+import torch
+
+from kvc_tools.paged_decoder import PagedDecoder, random_llama
+from vllm_kvcompress.config import KVCompressConfig
+from vllm_kvcompress.reference import ReferenceDecoder
+
+NUM_LAYERS = 4
+NEW_TOKENS = 10
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg, weights = random_llama(seed=3, num_hidden_layers=NUM_LAYERS)
+    hf = LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=False, max_position_embeddings=4096))
+    hf.load_state_dict(weights)
+    path = tmp_path_factory.mktemp("paged-llama")
+    hf.save_pretrained(path)
+    return cfg, weights, ReferenceDecoder(str(path))
+
+
+def prompts(lengths, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+CONFIGS = [
+    [{"policy": "snapkv", "budget": 48, "window": 8}, {"policy": "snapkv", "selection": "span", "span": 6,
+                                                        "sink_tokens": 2, "budget": 40, "window": 8}, None],
+    [{"policy": "h2o", "budget": 40, "interval": 8}, {"policy": "tova", "budget": 36, "interval": 4},
+     {"policy": "keyformer", "budget": 40, "window": 8, "interval": 8}],
+    [{"policy": "adakv", "budget": 40, "window": 8}, {"policy": "streamingllm", "budget": 32, "interval": 8},
+     {"policy": "random", "trigger": "streamed", "prompt_chunk": 32, "budget": 40, "window": 4}],
+]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("configs", CONFIGS, ids=["once", "rolling", "per-head-streamed"])
+def test_paged_harness_matches_reference(tiny, configs, layout):
+    cfg, weights, reference = tiny
+    batch = prompts((130, 97, 161), seed=len(str(configs)))
+    kv = [KVCompressConfig.from_dict(c) if c else KVCompressConfig() for c in configs]
+    got = PagedDecoder(cfg, weights, block_size=BLOCK_SIZE, layout=layout).generate(batch, NEW_TOKENS, kv)
+    for prompt, config, out in zip(batch, kv, got):
+        want = reference.generate(prompt, NEW_TOKENS, config, block_size=BLOCK_SIZE)
+        assert out["tokens"] == want["tokens"], config
+        if want["kept_positions"] is None:
+            assert out["kept_positions"] is None
+        else:
+            for got_pos, want_pos in zip(out["kept_positions"], want["kept_positions"]):
+                assert torch.equal(got_pos.sort(-1).values, want_pos.sort(-1).values), config
+
+
+def test_paged_harness_per_layer_groups_and_minicache(tiny):
+    """One KV cache group per layer: per-layer budgets hold their own blocks,
+    MiniCache pairs merge (the upper layer's attention through merged_attention)."""
+    cfg, weights, reference = tiny
+    batch = prompts((150, 120), seed=11)
+    kv = [KVCompressConfig.from_dict({"policy": "pyramidkv", "budget": 48, "window": 8, "layer_groups": NUM_LAYERS}),
+          KVCompressConfig.from_dict({"policy": "minicache", "start_layer": 2, "retain_ratio": 0.1,
+                                      "layer_groups": NUM_LAYERS})]
+    got = PagedDecoder(cfg, weights, block_size=BLOCK_SIZE).generate(batch, NEW_TOKENS, kv)
+    for prompt, config, out in zip(batch, kv, got):
+        want = reference.generate(prompt, NEW_TOKENS, config, block_size=BLOCK_SIZE)
+        assert out["tokens"] == want["tokens"], config.policy
+    pyramid_blocks = got[0]["blocks"]
+    assert len(set(pyramid_blocks)) > 1  # layers hold different lengths, hence blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it there)")
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_harness_on_cuda_equals_cpu_without_host_syncs(layout):
+    """The CUDA path (Triton ops, device-resident scores and masks) gives the
+    CPU path's tokens and kept positions, and its per-layer hooks never wait
+    for the device (torch.cuda.set_sync_debug_mode('error') around them)."""
+    cfg, weights = random_llama(seed=5, num_hidden_layers=NUM_LAYERS)
+    batch = prompts((130, 97, 161), seed=7)
+    runs = [[KVCompressConfig.from_dict(c) if c else KVCompressConfig() for c in configs] for configs in CONFIGS]
+    runs.append([KVCompressConfig.from_dict({"policy": "pyramidkv", "budget": 48, "window": 8,
+                                             "layer_groups": NUM_LAYERS}),
+                 KVCompressConfig.from_dict({"policy": "minicache", "start_layer": 2, "retain_ratio": 0.1,
+                                             "layer_groups": NUM_LAYERS}),
+                 KVCompressConfig.from_dict({"policy": "adakv", "budget": 40, "window": 8,
+                                             "layer_groups": NUM_LAYERS})])
+    for kv in runs:
+        cpu = PagedDecoder(cfg, weights, block_size=BLOCK_SIZE, layout=layout).generate(batch, NEW_TOKENS, kv)
+        gpu = PagedDecoder(cfg, weights, device="cuda", block_size=BLOCK_SIZE, layout=layout).generate(
+            batch, NEW_TOKENS, kv, check_syncs=True)
+        for config, c, g in zip(kv, cpu, gpu):
+            assert g["tokens"] == c["tokens"], config
+            assert g["blocks"] == c["blocks"], config
+            if c["kept_positions"] is not None:
+                for gp, cp in zip(g["kept_positions"], c["kept_positions"]):
+                    assert torch.equal(gp.cpu().sort(-1).values, cp.sort(-1).values), config
