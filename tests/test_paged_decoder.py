@@ -37,13 +37,16 @@ CONFIGS = [
                                                         "sink_tokens": 2, "budget": 40, "window": 8}, None],
     [{"policy": "h2o", "budget": 40, "interval": 8}, {"policy": "tova", "budget": 36, "interval": 4},
      {"policy": "keyformer", "budget": 40, "window": 8, "interval": 8}],
-    [{"policy": "adakv", "budget": 40, "window": 8}, {"policy": "streamingllm", "budget": 32, "interval": 8},
-     {"policy": "random", "trigger": "streamed", "prompt_chunk": 32, "budget": 40, "window": 4}],
+    [{"policy": "adakv", "budget": 40, "window": 8}, {"policy": "h2o", "allocation": "per_head", "trigger": "once",
+                                                       "budget": 48, "alpha": 0.3},
+     {"policy": "adakv", "budget": 56, "window": 16, "alpha": 0.5}],
+    [{"policy": "streamingllm", "budget": 32, "interval": 8},
+     {"policy": "random", "trigger": "streamed", "prompt_chunk": 32, "budget": 40, "window": 4}, None],
 ]
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize("configs", CONFIGS, ids=["once", "rolling", "per-head-streamed"])
+@pytest.mark.parametrize("configs", CONFIGS, ids=["once", "rolling", "per-head", "streamed"])
 def test_paged_harness_matches_reference(tiny, configs, layout):
     cfg, weights, reference = tiny
     batch = prompts((130, 97, 161), seed=len(str(configs)))

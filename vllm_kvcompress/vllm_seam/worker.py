@@ -36,11 +36,14 @@ from .metrics import SnapshotWriter
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
 # Scratch bounds, in elements: the per-head masked pass materialises at most
-# MASK_ELEMENTS of its [Hq, n, S] mask (bool) and attention weights at once,
+# MASK_ELEMENTS of a prompt chunk's [Hq, n, S] mask (bool) and attention
+# weights at once, and GATHER_ELEMENTS of decoding requests' padded K and V,
 # noisy scoring at most NOISE_ELEMENTS floats of [rows, Hq, T]; the kernel
 # ops bound their own (kernels/reference.py, _CHUNK_ELEMS).
 MASK_ELEMENTS = 1 << 24
 NOISE_ELEMENTS = 1 << 24
+# Decoding requests' masked pass: the padded K and V gathered for one batch.
+GATHER_ELEMENTS = 1 << 26
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -120,8 +123,10 @@ class StepObservation:
 
         vLLM's kernels take one length per request and layer; here each KV
         head's evicted slots are masked (torch's SDPA in the model's dtype,
-        every head in one call, over the gathered cache; the masks were
-        uploaded at compaction) and the rows of `output` are overwritten.
+        over the gathered cache; the masks were uploaded at compaction) and
+        the rows of `output` are overwritten. Decoding requests (one query
+        each) share one SDPA call per batch, their caches padded to the
+        longest; a prompt chunk gets its own, in query chunks.
         """
         worker = self.worker
         layer = worker.layer_of.get(layer_name)
@@ -130,21 +135,49 @@ class StepObservation:
         group = worker.group_of_layer[layer]
         rows = output.view(output.shape[0], -1)
         key_view, value_view = worker.views(kv_cache)
+        scale, hq = worker.scales[layer], query.shape[1]
+        decoding = []
         for r in self.masked:
             q_phys, seq_len, block_ids = r.q_physical[group], r.seq_lens[group], r.block_ids[group]
             dead = r.state.dead_slots(layer, seq_len)
             if dead is None:
                 continue
+            if len(r.token_idx) == 1:
+                decoding.append((r, dead))
+                continue
             keys = worker.ops.gather_dense(key_view, block_ids, seq_len).unsqueeze(0)  # [1, Hkv, S, D]
             values = worker.ops.gather_dense(value_view, block_ids, seq_len).unsqueeze(0)
-            live = ~dead.repeat_interleave(query.shape[1] // len(dead), dim=0).unsqueeze(1)  # [Hq, 1, S]
+            live = ~dead.repeat_interleave(hq // len(dead), dim=0).unsqueeze(1)  # [Hq, 1, S]
             key_slot = torch.arange(seq_len, device=live.device)
-            for sl in _chunks(len(r.token_idx), query.shape[1] * seq_len):
+            for sl in _chunks(len(r.token_idx), hq * seq_len):
                 q = query[r.token_idx[sl]].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, Hq, n, D]
                 mask = live & (key_slot <= q_phys[sl].unsqueeze(1))  # [Hq, n, S]: live and causal
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(0),
-                                                     scale=worker.scales[layer], enable_gqa=True)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(0), scale=scale,
+                                                     enable_gqa=True)
                 rows[r.token_idx[sl]] = out[0].transpose(0, 1).reshape(q.shape[2], -1).to(rows.dtype)
+        for batch in _decode_batches(decoding, group, key_view.shape[2] * key_view.shape[3]):
+            self._mask_decoding(batch, group, query, key_view, value_view, rows, scale)
+
+    def _mask_decoding(self, batch, group: int, query: torch.Tensor, key_view: torch.Tensor,
+                       value_view: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
+        """One masked SDPA for decoding requests: a decode query sees every
+        cached slot, so the mask is the live slots, padding dead."""
+        longest = max(r.seq_lens[group] for r, _ in batch)
+        num_blocks = cdiv(longest, key_view.shape[1])
+        table = _padded([r.block_ids[group][:num_blocks] for r, _ in batch], key_view.device)
+        hkv, d = key_view.shape[2], key_view.shape[3]
+        # [B, Hkv, S, D] through the padded block table (padding reads block 0; it is masked).
+        keys, values = (view[table].reshape(len(batch), -1, hkv, d)[:, :longest].transpose(1, 2)
+                        for view in (key_view, value_view))
+        live = torch.zeros(len(batch), hkv, longest, dtype=torch.bool, device=key_view.device)
+        for j, (r, dead) in enumerate(batch):
+            live[j, :, : r.seq_lens[group]] = ~dead
+        token_idx = torch.cat([r.token_idx for r, _ in batch])
+        hq = query.shape[1]
+        q = query[token_idx].unsqueeze(2).to(keys.dtype)  # [B, Hq, 1, D]
+        mask = live.repeat_interleave(hq // hkv, dim=1).unsqueeze(2)  # [B, Hq, 1, S]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        rows[token_idx] = out.reshape(len(batch), -1).to(rows.dtype)
 
     def attend_merged(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor,
                       output: torch.Tensor) -> None:
@@ -265,6 +298,19 @@ def _write_slots(key_view: torch.Tensor, value_view: torch.Tensor, row, keys: to
     blocks = torch.as_tensor(row, dtype=torch.int64).to(key_view.device)[slots // block]
     key_view[blocks, slots % block] = keys.transpose(0, 1).to(key_view.dtype)
     value_view[blocks, slots % block] = values.transpose(0, 1).to(value_view.dtype)
+
+
+def _decode_batches(decoding: list, group: int, elements_per_slot: int):
+    """Decoding requests in batches whose padded K and V stay within GATHER_ELEMENTS."""
+    batch: list = []
+    for item in decoding:
+        longest = max([item[0].seq_lens[group]] + [r.seq_lens[group] for r, _ in batch])
+        if batch and 2 * (len(batch) + 1) * longest * elements_per_slot > GATHER_ELEMENTS:
+            yield batch
+            batch = []
+        batch.append(item)
+    if batch:
+        yield batch
 
 
 def _chunks(num_queries: int, elements_per_query: int):
