@@ -32,6 +32,8 @@ def test_defaults_and_round_trip():
     ({"policy": "snapkv", "compression_ratio": 1.0}, "kv_compress.compression_ratio", "[0, 1)"),
     ({"policy": "snapkv", "compression_ratio": -0.1}, "kv_compress.compression_ratio", "[0, 1)"),
     ({"policy": "snapkv", "budget": 16, "window": 32}, "kv_compress.budget", ">= 32"),
+    ({"policy": "snapkv", "budget": 12, "window": 64, "kept_window": 16}, "kv_compress.budget", ">= 16"),
+    ({"policy": "snapkv", "budget": 64, "window": 32, "kept_window": 40}, "kept_window", "[1, window=32]"),
     ({"policy": "streamingllm", "budget": 4}, "kv_compress.budget", ">= 5"),
     ({"policy": "snapkv", "budget": 64, "sink_tokens": 4}, "kv_compress.sink_tokens", "'window'"),
     ({"policy": "snapkv", "budget": 64, "bogus": 1}, "kv_compress.bogus", "valid fields"),

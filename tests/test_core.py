@@ -111,36 +111,54 @@ def test_hash_uniform_is_deterministic_and_spread():
     assert 0 < a.min() and a.max() < 1 and abs(a.mean().item() - 0.5) < 0.02
 
 
-def snapkv_by_hand(q, k, window, budget, kernel_size):
-    """methods.md's SnapKV steps written out for one layer (GQA mean)."""
+def snapkv_by_hand(q, k, window, budget, kernel_size, kept_window=None):
+    """methods.md's SnapKV steps written out for one layer (GQA mean). With
+    `kept_window`, only the newest `kept_window` tokens are kept whole; the
+    older window tokens are scored (and pooled) like the prefix."""
     hq, hkv = q.shape[0], k.shape[0]
     length = k.shape[1]
+    kept = window if kept_window is None else kept_window
     kr = k.repeat_interleave(hq // hkv, 0)
     logits = q[:, -window:] @ kr.transpose(1, 2) / k.shape[-1] ** 0.5
     qpos = torch.arange(length - window, length).view(-1, 1)
     logits = logits.masked_fill(torch.arange(length).view(1, -1) > qpos, float("-inf"))
-    att = logits.softmax(-1)[:, :, : length - window].sum(1)
-    att = att.view(hkv, -1, length - window).mean(1)
+    att = logits.softmax(-1)[:, :, : length - kept].sum(1)
+    att = att.view(hkv, -1, length - kept).mean(1)
     att = F.avg_pool1d(att, kernel_size, 1, kernel_size // 2)
-    top = att.topk(budget - window, -1).indices
-    window_idx = torch.arange(length - window, length).expand(hkv, -1)
+    top = att.topk(budget - kept, -1).indices
+    window_idx = torch.arange(length - kept, length).expand(hkv, -1)
     return torch.cat([top, window_idx], -1).sort(-1).values
 
 
-def test_snapkv_selection_matches_the_spec():
+@pytest.mark.parametrize("kept_window", [None, 3])
+def test_snapkv_selection_matches_the_spec(kept_window):
     torch.manual_seed(0)
     hq, hkv, length, d = 6, 2, 90, 16
     q, k = torch.randn(hq, length, d), torch.randn(hkv, length, d)
-    cfg = KVCompressConfig.from_dict({"policy": "snapkv", "budget": 40, "window": 8})
+    data = {"policy": "snapkv", "budget": 40, "window": 8}
+    if kept_window is not None:
+        data["kept_window"] = kept_window
+    cfg = KVCompressConfig.from_dict(data)
     rc = compression(cfg, length, 1, hkv, hq)
     positions = torch.arange(length)
     rc.append(positions)
     mask = rc.observed(positions)
-    assert mask.sum() == 8 and mask[-8:].all()
+    assert mask.sum() == 8 and mask[-8:].all()  # the whole window is observed either way
     logits = q[:, mask] @ k.repeat_interleave(3, 0).transpose(1, 2) / d ** 0.5
     logits = logits.masked_fill(torch.arange(length).view(1, -1) > positions[mask].view(-1, 1), float("-inf"))
     rc.observe(0, logits, positions[mask])
-    assert torch.equal(rc.select(0, 40).sort(-1).values, snapkv_by_hand(q, k, 8, 40, 5))
+    assert torch.equal(rc.select(0, 40).sort(-1).values, snapkv_by_hand(q, k, 8, 40, 5, kept_window))
+
+
+def test_snapkv_kept_window_protects_only_the_newest_window_tokens():
+    from vllm_kvcompress.scorers.snapkv import SnapKV
+
+    assert SnapKV(window=64, kept_window=16).protected(100) == (0, 16)
+    assert SnapKV(window=64, kept_window=16).min_budget() == 16
+    assert SnapKV(window=64).protected(100) == (0, 64)  # -1: the whole window
+    for bad in (0, 65, -2):
+        with pytest.raises(ValueError, match="kept_window"):
+            SnapKV(window=64, kept_window=bad).validate()
 
 
 def test_streamingllm_keeps_sinks_and_recent():

@@ -76,6 +76,23 @@ def test_selection_modifiers_match_reference(engine, reference, modifier):
     assert not torch.equal(kept[0], kept[1]), "the modifier changes what is kept"
 
 
+def test_snapkv_kept_window_matches_reference(engine, reference):
+    """An observation window wider than what it keeps whole: the older window
+    tokens compete for the budget (alone and with span carry)."""
+    prompts = random_prompts((210, 180), seed=41)
+    configs = [{"policy": "snapkv", "budget": 48, "window": 24, "kept_window": 4},
+               {"policy": "snapkv", "budget": 40, "window": 16, "kept_window": 8, "selection": "span", "span": 6,
+                "sink_tokens": 2}]
+    got = engine.generate(prompts, NEW_TOKENS, configs)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        out = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=32)
+        assert tokens == out["tokens"], f"{config} prompt {len(prompt)}"
+        # Some window tokens older than the kept ones were evicted.
+        window = range(len(prompt) - config["window"], len(prompt) - config["kept_window"])
+        kept = set(out["kept_positions"][0].flatten().tolist())
+        assert not set(window) <= kept, config
+
+
 def test_decode_trigger_matches_reference(engine, reference):
     """Any scorer that observes decode queries (or none) under trigger 'decode':
     the prompt stays whole, generated tokens roll within their budget."""
