@@ -182,6 +182,30 @@ def test_compaction_moves_positions_and_scores_per_head():
     assert rc.attention[0][2].tolist() == [17.0, 18.0, 22.0, 23.0]  # query head 2 -> kv head 1
 
 
+@pytest.mark.parametrize("policy", ["h2o", "tova"])
+def test_decode_scores_accumulate_in_place_in_one_buffer_per_interval(policy):
+    """Decoding grows the score buffer once per `interval` tokens, not once per
+    step; what the scorer sees is the sum (h2o) or the newest query (tova)."""
+    cfg = KVCompressConfig.from_dict({"policy": policy, "budget": 16, "interval": 8})
+    rc = compression(cfg, 20, 1, 2, 4)
+    rc.append(torch.arange(20))
+    steps = [torch.rand(4, 20 + i) for i in range(10)]
+    buffers = set()
+    for i, attention in enumerate(steps):
+        if i:
+            rc.append(torch.tensor([19 + i]))
+        rc.accumulate(0, attention)
+        buffers.add(rc.attention[0].data_ptr())
+    assert len(buffers) == 2  # widths 20..29: one buffer up to 28 columns, one more after
+    if policy == "h2o":
+        want = sum(torch.nn.functional.pad(a, (0, 29 - a.shape[-1])) for a in steps)
+    else:
+        want = steps[-1]
+    assert torch.allclose(rc._observed(0), want)
+    rc.append(torch.tensor([29, 30]))  # two tokens not yet observed: zero scores
+    assert rc._observed(0).shape == (4, 31) and not rc._observed(0)[:, 29:].any()
+
+
 def test_planner_schedule():
     cfg = KVCompressConfig.from_dict({"policy": "h2o", "budget": 64})
     state = RequestState.create(plan(cfg, 200))

@@ -171,15 +171,32 @@ class RequestCompression:
 
     def accumulate(self, layer: int, attention: torch.Tensor) -> None:
         """Add this step's [Hq, T] attention (summed over its observed queries),
-        on the device it was computed on: no copy to the host per step."""
-        attention = attention.to(torch.float32)
+        in place, on the device it was computed on: no copy to the host per step.
+
+        The buffer holds `interval` columns beyond the cache, zero until their
+        tokens are observed, so a decoding request allocates once per
+        compaction interval, not once per step; readers take the cache's
+        length of it (`_observed`)."""
+        width = attention.shape[-1]
         acc = self.attention[layer]
-        if acc is None or self.scorer.observe is Observe.LAST:
-            self.attention[layer] = attention.clone()
+        if acc is None or acc.shape[-1] < width:
+            grown = torch.zeros(attention.shape[0], width + max(self.plan.interval, 1), dtype=torch.float32,
+                                device=attention.device)
+            if acc is not None and self.scorer.observe is not Observe.LAST:
+                grown[:, : acc.shape[-1]] = acc
+            acc = self.attention[layer] = grown
+        if self.scorer.observe is Observe.LAST:  # the newest query replaces the last one
+            acc[:, :width] = attention
         else:
-            acc = _pad_tokens(acc, attention.shape[-1])
-            acc += attention
-            self.attention[layer] = acc
+            acc[:, :width] += attention
+
+    def _observed(self, layer: int) -> torch.Tensor | None:
+        """[Hq, T] accumulated attention of the layer's T cached tokens (None: nothing observed)."""
+        acc = self.attention[layer]
+        if acc is None:
+            return None
+        length = self.positions(layer).shape[-1]
+        return acc[:, :length] if acc.shape[-1] >= length else _pad_tokens(acc, length)
 
     def reports_budgets(self, q_positions: torch.Tensor) -> bool:
         """Whether these observed queries end a prompt whose layer budgets come from its attention."""
@@ -195,9 +212,10 @@ class RequestCompression:
         if self.plan.allocation.per_head:
             return tuple(int(self._ranked_counts(layer)[2]) for layer in range(self.num_layers))
         # Every rank's query heads: all ranks derive the same budgets.
+        observed = [self._observed(layer) for layer in range(self.num_layers)]
         attention = [self.shard.all_heads(a if a is not None else torch.zeros(self.num_q_heads, 0,
                                                                                device=self.device)).cpu()
-                     for a in self.attention]
+                     for a in observed]
         budgets = tuple(self.plan.allocation.attention_budgets(attention, self.plan.budget, self.scorer.min_budget()))
         if self.num_compressions == 0:
             self._next_due = self._first_due(budgets)
@@ -272,9 +290,7 @@ class RequestCompression:
         positions = self.positions(layer)
         if self.scorer.needs_keys and keys is None:
             raise RuntimeError(f"kv_compress: scorer {self.scorer.name} needs the cached keys of layer {layer}")
-        acc = self.attention[layer]
-        if acc is not None:
-            acc = _pad_tokens(acc, positions.shape[-1])
+        acc = self._observed(layer)
         obs = Observation(
             # A decision: the scores come to the host (a copy the scorer may modify).
             attention=None if acc is None else acc.to("cpu", copy=True),
