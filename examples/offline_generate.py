@@ -1,6 +1,6 @@
 """Offline batch generation with KV-cache compression on SmolLM2-135M-Instruct.
 
-    python examples/offline_generate.py [--policy snapkv] [--budget 512] [--selection span] [--span 8]
+    python examples/offline_generate.py [--policy snapkv] [--budget 256] [--selection span] [--span 16]
 
 Runs the same needle-in-a-haystack prompts (about 2k tokens each) once without
 and once with compression, in two engines, and prints the answers and what the
@@ -17,9 +17,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policy", default="snapkv")
-    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--selection", default="span", help="top | span | chunk (span: keep what follows a kept token)")
-    parser.add_argument("--span", type=int, default=8)
+    parser.add_argument("--span", type=int, default=16)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--length", type=int, default=2048)
     args = parser.parse_args()

@@ -2,7 +2,7 @@
 # Serve SmolLM2 with KV compression, send one long completion, show what was evicted.
 #
 #   examples/serve_and_query.sh [POLICY [BUDGET [FLAG...]]]   (default: snapkv 512)
-#   examples/serve_and_query.sh snapkv 512 --kv-compress-selection span --kv-compress-span 8
+#   examples/serve_and_query.sh snapkv 512 --kv-compress-selection span --kv-compress-span 16
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 POLICY="${1:-snapkv}"
