@@ -18,7 +18,8 @@ class SnapKV(KeepsObservationWindow):
     name = "snapkv"
     observe = Observe.WINDOW
 
-    window: int = field(default=32, metadata={"help": "observation window: last prompt queries, kept (see kept_window)"})
+    window: int = field(default=32, metadata={
+        "help": "observation window: last prompt queries, kept (see kept_window)"})
     kernel_size: int = field(default=5, metadata={"help": "pooling kernel over token scores"})
     pooling: str = field(default="avg", metadata={"help": "pooling kind", "choices": POOLINGS})
     gqa_reduce: str = field(default="mean", metadata={
