@@ -195,7 +195,7 @@ class RequestCompression:
         acc = self.attention[layer]
         if acc is None:
             return None
-        length = self.positions(layer).shape[-1]
+        length = self._kept[layer].shape[-1] + self._tail_len  # positions(layer)'s length, without building it
         return acc[:, :length] if acc.shape[-1] >= length else _pad_tokens(acc, length)
 
     def reports_budgets(self, q_positions: torch.Tensor) -> bool:

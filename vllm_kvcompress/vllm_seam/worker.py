@@ -173,9 +173,8 @@ class StepObservation:
         for j, (r, dead) in enumerate(batch):
             live[j, :, : r.seq_lens[group]] = ~dead
         token_idx = torch.cat([r.token_idx for r, _ in batch])
-        hq = query.shape[1]
         q = query[token_idx].unsqueeze(2).to(keys.dtype)  # [B, Hq, 1, D]
-        mask = live.repeat_interleave(hq // hkv, dim=1).unsqueeze(2)  # [B, Hq, 1, S]
+        mask = live.repeat_interleave(query.shape[1] // hkv, dim=1).unsqueeze(2)  # [B, Hq, 1, S]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         rows[token_idx] = out.reshape(len(batch), -1).to(rows.dtype)
 
@@ -303,12 +302,14 @@ def _write_slots(key_view: torch.Tensor, value_view: torch.Tensor, row, keys: to
 def _decode_batches(decoding: list, group: int, elements_per_slot: int):
     """Decoding requests in batches whose padded K and V stay within GATHER_ELEMENTS."""
     batch: list = []
+    longest = 0  # the batch's longest cache, what every request is padded to
     for item in decoding:
-        longest = max([item[0].seq_lens[group]] + [r.seq_lens[group] for r, _ in batch])
-        if batch and 2 * (len(batch) + 1) * longest * elements_per_slot > GATHER_ELEMENTS:
+        seq_len = item[0].seq_lens[group]
+        if batch and 2 * (len(batch) + 1) * max(longest, seq_len) * elements_per_slot > GATHER_ELEMENTS:
             yield batch
-            batch = []
+            batch, longest = [], 0
         batch.append(item)
+        longest = max(longest, seq_len)
     if batch:
         yield batch
 
