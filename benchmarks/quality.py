@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="target length in tokens, prompt + max_gen_toks (default 1024; 2048, 4096 also committed)")
     p.add_argument("--samples", type=int, default=None,
                    help=f"samples per task (default {DEFAULTS['samples']}; --quick: {QUICK['samples']})")
+    p.add_argument("--first-sample", type=int, default=0,
+                   help="index of the first sample per task (each sample is drawn on its own from the seed, "
+                        "task, length and index: a run of samples 4-7 adds to an earlier run of 0-3)")
     p.add_argument("--seed", type=int, default=0, help="sample seed (0 = the committed eval/tasks data)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 2 policies, 1 kept fraction, 1 task, 2 samples (flags given still win)")
@@ -108,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--kept: {k} is not in (0, 1]")
     if not args.policies and args.no_full:
         p.error("nothing to run: no policies and --no-full")
+    if args.first_sample < 0:
+        p.error(f"--first-sample: {args.first_sample} is negative")
     return args
 
 
@@ -192,7 +197,8 @@ def main(argv=None) -> int:
     # ---- data
     t0 = time.perf_counter()
     count_tokens, _ = longctx.make_token_counter(model)
-    data = {t: longctx.generate_samples(t, args.length, args.samples, seed=args.seed, count_tokens=count_tokens)
+    indices = range(args.first_sample, args.first_sample + args.samples)
+    data = {t: [longctx.generate_sample(t, args.length, i, seed=args.seed, count_tokens=count_tokens) for i in indices]
             for t in args.tasks}
     data_s = time.perf_counter() - t0
     max_gen = max(s["max_gen_toks"] for ss in data.values() for s in ss)
@@ -275,7 +281,8 @@ def main(argv=None) -> int:
 
     run = dict(date=date, command=command, machine=machine, model=model, model_name=Path(model).name,
                vllm_version=getattr(vllm, "__version__", "?"), length=args.length, samples=args.samples,
-               seed=args.seed, tasks=args.tasks, policies=args.policies, kept=args.kept, quick=args.quick,
+               first_sample=args.first_sample, seed=args.seed, tasks=args.tasks, policies=args.policies,
+               kept=args.kept, quick=args.quick,
                requests=len(prompts), data_s=data_s, startup_s=startup_s, generate_s=generate_s,
                generate_cpu_s=generate_cpu_s, wall_s=wall_s,
                prompt_tokens=sum(len(o.prompt_token_ids or []) for o in outputs),
@@ -363,7 +370,9 @@ def markdown(run: dict, table: list[dict], cfgs: list) -> str:
         f"vLLM {run['vllm_version']}, max_model_len {run['max_model_len']}, "
         f"VLLM_CPU_KVCACHE_SPACE {run['kv_space_gib']} GiB, KV cache groups {run.get('layer_groups', 1)}",
         f"- data: `kvc_tools.longctx` RULER-style tasks, length {run['length']} (prompt + max_gen_toks), "
-        f"{run['samples']} samples per task, seed {run['seed']}; raw completion prompts (no chat template), "
+        f"{run['samples']} samples per task (indices {run.get('first_sample', 0)}.."
+        f"{run.get('first_sample', 0) + run['samples'] - 1}), seed {run['seed']}; "
+        "raw completion prompts (no chat template), "
         f"greedy, stop at a blank line; score = RULER string_match_all",
         "- budget: kept fraction of the prompt, sent per request as `compression_ratio = 1 - kept`; "
         "rolling policies hold the cache at that size while decoding",
