@@ -1,6 +1,6 @@
 """Offline batch generation with KV-cache compression on SmolLM2-135M-Instruct.
 
-    python examples/offline_generate.py [--policy snapkv] [--budget 256] [--selection span] [--span 16]
+    python examples/offline_generate.py [--policy snapkv-span] [--budget 256] [--selection span] [--span 16]
 
 Runs the same needle-in-a-haystack prompts (about 2k tokens each) once without
 and once with compression, in two engines, and prints the answers and what the
@@ -16,10 +16,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--policy", default="snapkv")
+    # The recommended policy: SnapKV scores, span carry 16, 4 sink tokens.
+    parser.add_argument("--policy", default="snapkv-span")
     parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--selection", default="span", help="top | span | chunk (span: keep what follows a kept token)")
-    parser.add_argument("--span", type=int, default=16)
+    parser.add_argument("--selection", help="top | span | chunk (default: the policy's; span: keep what follows "
+                                            "a kept token)")
+    parser.add_argument("--span", type=int, help="span carry length (default: the policy's)")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--length", type=int, default=2048)
     args = parser.parse_args()
@@ -38,8 +40,10 @@ def main() -> None:
     prompts = [s["input"] for s in samples]
 
     answers = {}
-    compressed = dict(kv_compress=args.policy, kv_compress_budget=args.budget, kv_compress_selection=args.selection)
-    if args.selection == "span":
+    compressed = dict(kv_compress=args.policy, kv_compress_budget=args.budget)
+    if args.selection is not None:
+        compressed["kv_compress_selection"] = args.selection
+    if args.span is not None:
         compressed["kv_compress_span"] = args.span
     for name, extra in (("full KV", {}), (f"{args.policy} {args.budget}", compressed)):
         llm = LLM(**common, **extra)
@@ -51,8 +55,7 @@ def main() -> None:
     print("\n=== answers (expected | full KV | compressed)")
     for s, full, small in zip(samples, *answers.values()):
         print(f"{s['outputs'][0]!r:>12} | {full[:40]!r} | {small[:40]!r}")
-    print(f"\n=== what {args.policy} (selection {args.selection}) did: budget {args.budget} tokens "
-          f"per layer and KV head")
+    print(f"\n=== what {args.policy} did: budget {args.budget} tokens per layer and KV head")
     for rid, r in stats["requests"].items():
         print(f"request {rid}: prompt {r['prefill_len']} tokens -> kept {r['tokens_kept']}, "
               f"evicted {r['tokens_evicted']}, freed {r['blocks_freed']} blocks, "
