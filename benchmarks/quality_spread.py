@@ -10,7 +10,7 @@ recomputed, 2,000 times.
     python benchmarks/quality_spread.py benchmarks/results/quality-main
     python benchmarks/quality_spread.py results/quality-minicache-alone --full-from results/quality-minicache
     python benchmarks/quality_spread.py results/quality-2k-n12 --out results/quality-2k-n12/spread.md
-    python benchmarks/quality_spread.py results/quality-4k results/quality-4k-full4to7 results/quality-4k-span8 --merge
+    python benchmarks/quality_spread.py results/quality-4k results/quality-4k-4to7 --merge
 
 --merge reads the folders as one run: runs of other sample indices of the same
 seed (quality.py --first-sample) add prompts to a cell; a cell that lacks some
