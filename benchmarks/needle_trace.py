@@ -11,7 +11,9 @@ answer string found in the prompt (a needle's value, a variable's value) it
 prints the share of the compressed layers' KV heads that kept all the tokens
 of its first occurrence, beside the generation's score. That tells a selection that
 dropped the answer apart from a model that had it and did not use it.
-No vLLM engine: it runs anywhere the reference decoder does.
+The score is that of the first --max-tokens generated tokens (no stop
+strings); with per-head budgets (adakv) a head's masked padding slots count
+as kept. No vLLM engine: it runs anywhere the reference decoder does.
 """
 
 from __future__ import annotations
