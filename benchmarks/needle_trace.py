@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=40)
     args = parser.parse_args()
 
-    from quality import policy_spec
+    from quality import kv_args
     from transformers import AutoTokenizer
 
     from kvc_tools import longctx
@@ -56,7 +56,7 @@ def main() -> None:
     print(f"{args.task} at {args.length} tokens, {len(samples)} prompts, kept {args.kept}; per prompt: "
           f"score, then per answer string the share of (layer, KV head) that kept all its tokens")
     for label in args.policies.split(","):
-        config = KVCompressConfig.from_dict({**policy_spec(label), "compression_ratio": round(1 - args.kept, 10)})
+        config = KVCompressConfig.from_dict(kv_args(label, args.kept))
         scores, shares = [], []
         for i, sample in enumerate(samples):
             enc = tokenizer(sample["input"], return_offsets_mapping=True)
