@@ -13,7 +13,8 @@ of its first occurrence, beside the generation's score. That tells a selection t
 dropped the answer apart from a model that had it and did not use it.
 The score is that of the first --max-tokens generated tokens (no stop
 strings); with per-head budgets (adakv) a head's masked padding slots count
-as kept. No vLLM engine: it runs anywhere the reference decoder does.
+as kept. Last, the KV heads (layer.head) that kept the most answers whole.
+No vLLM engine: it runs anywhere the reference decoder does.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--policies", default="snapkv-span",
                         help="comma list, quality.py's form: policy[:param=value...]")
     parser.add_argument("--max-tokens", type=int, default=40)
+    parser.add_argument("--top-heads", type=int, default=8, help="list this many KV heads that keep most answers")
     args = parser.parse_args()
 
     from quality import kv_args
@@ -58,11 +60,13 @@ def main() -> None:
     for label in args.policies.split(","):
         config = KVCompressConfig.from_dict(kv_args(label, args.kept))
         scores, shares = [], []
+        per_head: dict[tuple[int, int], list[bool]] = {}  # (layer, KV head) -> kept each answer whole
         for i, sample in enumerate(samples):
             enc = tokenizer(sample["input"], return_offsets_mapping=True)
             out = decoder.generate(enc["input_ids"], args.max_tokens, config)
             score = longctx.string_match_all(tokenizer.decode(out["tokens"]), sample["outputs"])
             kept = [set(row.tolist()) for layer in out["kept_positions"] for row in layer]
+            heads = [(layer, head) for layer, rows in enumerate(out["kept_positions"]) for head in range(len(rows))]
             row_shares = []
             for answer in sample["outputs"]:
                 # Its first occurrence: the needle or assignment (a question may repeat it later).
@@ -70,7 +74,10 @@ def main() -> None:
                 if start < 0:  # not quoted in the prompt
                     continue
                 tokens = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if a < start + len(answer) and b > start]
-                row_shares.append(sum(all(t in k for t in tokens) for k in kept) / len(kept))
+                whole = [all(t in k for t in tokens) for k in kept]
+                row_shares.append(sum(whole) / len(kept))
+                for head, w in zip(heads, whole):
+                    per_head.setdefault(head, []).append(w)
             scores.append(score)
             shares += row_shares
             print(f"{label} #{i}: score {score:.2f}, kept whole by " + " ".join(f"{s:.0%}" for s in row_shares),
@@ -80,6 +87,10 @@ def main() -> None:
         else:
             spread = "- (no answer string in the prompts)"
         print(f"{label}: mean score {sum(scores) / len(scores):.3f}, mean share keeping an answer whole {spread}")
+        if per_head:
+            best = sorted(per_head.items(), key=lambda kv: -sum(kv[1]) / len(kv[1]))[: args.top_heads]
+            print(f"{label}: the (layer, KV head) keeping most answers whole: "
+                  + ", ".join(f"{layer}.{head} {sum(w) / len(w):.0%}" for (layer, head), w in best))
 
 
 if __name__ == "__main__":
