@@ -1,7 +1,7 @@
 """Which answer tokens a policy keeps: a trace with the reference decoder.
 
     python benchmarks/needle_trace.py [--task niah_multiquery] [--length 1024] [--samples 12]
-        [--kept 0.125] [--policies snapkv-span,snapkv-span:gqa_reduce=max] [--max-tokens 40]
+        [--kept 0.125] [--policies snapkv-span,snapkv-span:gqa_reduce=max] [--max-tokens 40] [--top-heads 8]
 
 For each prompt of the suite (`kvc_tools.longctx`, seed 0, the prompts of
 `quality.py`) and each policy, the reference decoder (plain torch, the
