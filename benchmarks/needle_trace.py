@@ -26,6 +26,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+def tokens_overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """Indices of the tokens (character offsets) that overlap any of the character spans."""
+    return [t for t, (a, b) in enumerate(offsets) if any(a < end and b > start for start, end in spans)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="niah_multiquery")
@@ -73,7 +78,7 @@ def main() -> None:
                 start = sample["input"].find(answer)
                 if start < 0:  # not quoted in the prompt
                     continue
-                tokens = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if a < start + len(answer) and b > start]
+                tokens = tokens_overlapping(enc["offset_mapping"], [(start, start + len(answer))])
                 whole = [all(t in k for t in tokens) for k in kept]
                 row_shares.append(sum(whole) / len(kept))
                 for head, w in zip(heads, whole):

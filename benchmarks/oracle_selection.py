@@ -18,8 +18,8 @@ by task kind (from the sample's reference outputs):
 
 If these do not all fit beside the protected tokens, the budget holds as many
 as fit (the count is printed). Generation: greedy, the task's max_gen_toks,
-cut at the end-of-sequence token and at the suite's stop string, scored with RULER's string_match_all, as
-quality.py scores the engine; compare with quality.py's full KV and policy
+cut at the end-of-sequence token and at the suite's stop string, scored with
+RULER's string_match_all, as quality.py scores the engine; compare with quality.py's full KV and policy
 cells on the same prompts (`--samples 12` = indices 0..11); `--plain` runs the
 policy as it is, which gives quality.py's scores (the reference decoder's
 tokens equal the engine's).
@@ -39,10 +39,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch
 
+from kvc_tools import longctx
 from vllm_kvcompress.registry import POLICIES, Composition
 from vllm_kvcompress.selection import SELECTIONS, SpanCarry
-
-TASKS = "niah_single,niah_multikey,niah_multivalue,niah_multiquery,vt,cwe"
 
 # The logical positions of the running prompt's answer tokens (one prompt at a
 # time, in this process: the reference decoder runs here).
@@ -77,7 +76,7 @@ def answer_spans(task: str, text: str, outputs: list[str]) -> list[tuple[int, in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default=TASKS)
+    parser.add_argument("--tasks", default=",".join(longctx.TASKS))
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--samples", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
@@ -91,10 +90,10 @@ def main() -> None:
                         help="also write quality_predictions.jsonl here (quality.py's form, for quality_spread.py)")
     args = parser.parse_args()
 
+    from needle_trace import tokens_overlapping
     from quality import kv_args, policy_spec
     from transformers import AutoTokenizer
 
-    from kvc_tools import longctx
     from kvc_tools.models import prepare_smollm2
     from vllm_kvcompress.config import KVCompressConfig
     from vllm_kvcompress.reference import ReferenceDecoder
@@ -126,7 +125,7 @@ def main() -> None:
             text = sample["input"]
             enc = tokenizer(text, return_offsets_mapping=True)
             spans = answer_spans(task, text, sample["outputs"])
-            tokens = [t for t, (a, b) in enumerate(enc["offset_mapping"]) if any(a < e and b > s for s, e in spans)]
+            tokens = tokens_overlapping(enc["offset_mapping"], spans)
             _answer_positions = torch.tensor(tokens, dtype=torch.int64)
             result = decoder.generate(enc["input_ids"], sample["max_gen_toks"], config)
             tokens_out = result["tokens"]
