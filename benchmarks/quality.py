@@ -224,9 +224,18 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     # Prefix caching off: the full-KV and compressed requests share prompts,
     # and a prefix-cache hit would be a protected start (not compressed).
-    llm = LLM(model=model, kv_compress="none", dtype=DTYPE, enforce_eager=True, block_size=BLOCK_SIZE,
+    # A retrieval profile is an engine setting (a request may only restate
+    # it): the engine starts with it, and every request names its own policy.
+    profiles = {policy_spec(p).get("profile") for p in args.policies} - {None}
+    if len(profiles) > 1:
+        raise SystemExit(f"--policies: one retrieval profile per run (an engine setting), got {sorted(profiles)}")
+    engine_kv: dict = {"kv_compress": "none"}
+    if profiles:
+        engine_kv = {"kv_compress": "snapkv-span", "kv_compress_allocation": "retrieval",
+                     "kv_compress_profile": profiles.pop(), "kv_compress_ratio": 0.5}
+    llm = LLM(model=model, dtype=DTYPE, enforce_eager=True, block_size=BLOCK_SIZE,
               max_model_len=max_model_len, seed=args.seed, enable_prefix_caching=False,
-              max_num_seqs=args.max_num_seqs, kv_compress_layer_groups=args.layer_groups)
+              max_num_seqs=args.max_num_seqs, kv_compress_layer_groups=args.layer_groups, **engine_kv)
     startup_s = time.perf_counter() - t0
     print(f"[quality] engine up in {startup_s:.1f} s; generating ...", file=sys.stderr, flush=True)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,6 +44,8 @@ SCORER_PARAMS = {
 ATTENTION_SCORERS = {"snapkv", "h2o", "tova", "keyformer", "rkv"}
 KEY_DIM = 4  # synthetic cached keys, for R-KV's redundancy
 SPAN, CHUNK_LENGTH = 5, 6
+# Allocation retrieval's profile: layer scores 0.3 and 0.9.
+PROFILE = str(Path(__file__).parent / "data" / "retrieval-profile-2-layers.json")
 
 
 def config_for(scorer: str, allocation: str, trigger: str, selection: str) -> dict:
@@ -54,6 +57,8 @@ def config_for(scorer: str, allocation: str, trigger: str, selection: str) -> di
         data["span"] = SPAN
     if selection == "chunk":
         data["chunk_length"] = CHUNK_LENGTH
+    if allocation == "retrieval":
+        data["profile"] = PROFILE
     return data
 
 
@@ -236,6 +241,11 @@ def naive_layer_keeps(allocation: str, scorer: str, attention_per_layer: list[di
                 per_head.append(max(n, 1))
             needs.append(sum(per_head) / HQ)
         return [max(w, int(BUDGET * NUM_LAYERS * need / sum(needs))) for need in needs]
+    if allocation == "retrieval":  # share 0.5 of what is beyond the window follows layer scores 0.3 : 0.9
+        extra = BUDGET - w
+        wants = [extra / 2 + extra * NUM_LAYERS / 2 * s / 1.2 for s in (0.3, 0.9)]
+        assert compressible is None or max(wants) <= compressible - w  # no cap at these sizes
+        return [w + int(x) for x in wants]
     return [BUDGET] * NUM_LAYERS
 
 
@@ -386,7 +396,7 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, cached_len
         if allocation == "adaptive":
             assert list(reported) == naive_layer_keeps(allocation, scorer, attention, list(range(PROMPT)))
         state.set_layer_budgets(reported)
-    elif observe or allocation == "pyramid":
+    elif observe or allocation in ("pyramid", "retrieval"):
         keeps = naive_layer_keeps(allocation, scorer, attention, list(range(PROMPT)),
                                   None if trigger == "decode" else PROMPT - protected_len)
         assert list(state.budgets) == [protected_len + k for k in keeps]

@@ -7,6 +7,8 @@ is the mean tokens kept per layer and KV head; an allocation spreads it:
   pyramid   layers keep linearly less towards the top (PyramidKV), same mean
   adaptive  each layer's share follows how many tokens hold most of its
             observed attention (ZigZagKV-style), known at prefill end
+  retrieval each layer's share follows a measured profile of its retrieval
+            heads (HeadKV/DuoAttention-style, per layer), known at startup
   per_head  one top-k of `budget * num_kv_heads` shared by a layer's heads,
             each head at least `alpha * budget` (AdaKV)
 
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+
+from .retrieval_profile import load_profile
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,10 @@ class Allocation:
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
+
+    def problem(self, num_layers: int) -> str | None:
+        """Why this allocation cannot serve a model with `num_layers` compressed layers (None: it can)."""
+        return None
 
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int | None, min_budget: int) -> list[int]:
         """Tokens each layer keeps, known before the prompt runs.
@@ -142,4 +150,58 @@ class PerHead(Allocation):
         return floor + torch.bincount(shared, minlength=num_heads)
 
 
-ALLOCATIONS: dict[str, type[Allocation]] = {cls.name: cls for cls in (Uniform, Pyramid, Adaptive, PerHead)}
+def water_fill(wants: list[float], cap: float) -> list[float]:
+    """Cap each share at `cap`; what the capped ones lose goes to the others, in proportion."""
+    wants = list(wants)
+    for _ in range(len(wants)):
+        over = sum(max(0.0, w - cap) for w in wants)
+        room = sum(w for w in wants if w < cap)
+        if over <= 0 or room <= 0:
+            break
+        wants = [cap if w >= cap else w + over * w / room for w in wants]
+    return [min(w, cap) for w in wants]
+
+
+@dataclass(frozen=True)
+class Retrieval(Allocation):
+    name = "retrieval"
+    per_layer = True
+
+    profile: str = field(default="", metadata={
+        "help": "retrieval: the model's retrieval-head profile (JSON, from python -m "
+                "vllm_kvcompress.retrieval_profile); an engine setting", "engine": True, "path": True})
+    share: float = field(default=0.5, metadata={"help": "retrieval: share of the budget beyond the protected "
+                                                        "tokens that follows the profile (the rest is uniform)"})
+
+    def validate(self) -> None:
+        if not self.profile:
+            raise ValueError("profile must name a retrieval profile file (python -m "
+                             "vllm_kvcompress.retrieval_profile MODEL --out FILE writes one)")
+        if not 0 <= self.share <= 1:  # also rejects NaN
+            raise ValueError(f"share must be in [0, 1], got {self.share}")
+        load_profile(self.profile)
+
+    def problem(self, num_layers: int) -> str | None:
+        layers = load_profile(self.profile).num_layers
+        if layers != num_layers:
+            return (f"profile {self.profile!r} has {layers} layers, this model {num_layers} compressed "
+                    f"(full-attention) layers: measure its own profile")
+        return None
+
+    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int | None, min_budget: int) -> list[int]:
+        # README, Allocations: each layer keeps its protected tokens, (1 - share)
+        # of the rest of the budget, and its part of share * the rest summed over
+        # layers in proportion to the layer's retrieval score; a layer wanting
+        # more than the prompt holds passes the excess on (same mean).
+        scores = load_profile(self.profile).layer_scores()
+        extra = budget - min_budget
+        total = sum(scores)
+        if total <= 0:
+            return [budget] * num_layers
+        wants = [extra * (1 - self.share) + extra * num_layers * self.share * s / total for s in scores]
+        if prompt_len is not None:
+            wants = water_fill(wants, max(prompt_len - min_budget, 0))
+        return [min_budget + int(w + 1e-6) for w in wants]  # 1e-6: a whole share stays whole in floats
+
+
+ALLOCATIONS: dict[str, type[Allocation]] = {cls.name: cls for cls in (Uniform, Pyramid, Adaptive, PerHead, Retrieval)}

@@ -69,6 +69,12 @@ def all_params() -> dict[str, dict[str, Any]]:
     return out
 
 
+def _flagged_params(flag: str) -> tuple[str, ...]:
+    """Component parameters whose field metadata sets `flag` ("engine": fixed at startup; "path": a file)."""
+    return tuple(sorted({f.name for registry in _COMPONENT_REGISTRIES for cls in registry.values()
+                         for f in dataclasses.fields(cls) if f.metadata.get(flag)}))
+
+
 def param_field(name: str) -> dataclasses.Field:
     """The dataclass field behind a parameter name (the first component that has it)."""
     for registry in _COMPONENT_REGISTRIES:
@@ -179,6 +185,9 @@ class KVCompressConfig:
         # Recipes may nest everything under `kv_compress:`.
         if set(data) == {CONFIG_KEY}:
             data = data[CONFIG_KEY]
+        if isinstance(data, Mapping):  # a file a recipe names is relative to the recipe
+            data = {k: str(Path(path).parent / v) if k in _flagged_params("path") and isinstance(v, str)
+                    and v and not Path(v).is_absolute() else v for k, v in data.items()}
         return cls.from_dict(data)
 
     def merged(self, overrides: Mapping[str, Any], startup: bool = False) -> KVCompressConfig:
@@ -188,8 +197,9 @@ class KVCompressConfig:
         overrides (switching to `none` drops everything); switching allocation
         or trigger drops inherited parameters the new composition does not
         have; giving `budget` drops an inherited `compression_ratio` and vice
-        versa. Engine fields carry over, and only `startup` overrides (CLI
-        flags over a recipe) may change them.
+        versa. Engine fields, and engine parameters (a retrieval `profile`)
+        where the new composition has them, carry over, and only `startup`
+        overrides (CLI flags over a recipe) may change them.
         """
         overrides = dict(overrides)
         engine = {name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None}
@@ -199,6 +209,9 @@ class KVCompressConfig:
                 if not startup:
                     raise _fail(name, "an engine setting, fixed at startup; a request cannot change it")
                 engine[name] = overrides[name]
+        for name in _flagged_params("engine"):  # component parameters fixed at startup (a file the server reads)
+            if not startup and name in overrides and overrides[name] != self.params.get(name):
+                raise _fail(name, "an engine setting, fixed at startup; a request cannot change it")
         base = self.to_dict()
         policy = overrides.get("policy", self.policy)
         if policy is None or policy == "none":
@@ -216,7 +229,15 @@ class KVCompressConfig:
             base.pop("compression_ratio", None)
         if "compression_ratio" in overrides:
             base.pop("budget", None)
-        return KVCompressConfig.from_dict({**base, **overrides, **engine})
+        out = {**base, **overrides, **engine}
+        # The engine's own component parameters (a profile file) carry over to
+        # whichever composition a request picks, where it has them.
+        fixed = {name: self.params[name] for name in _flagged_params("engine") if name in self.params}
+        if fixed and _is_name_in(out.get("policy"), POLICIES):
+            names = [out.get(c) if _is_name_in(out.get(c), _CHOICES[c]) else None for c in COMPONENT_FIELDS]
+            fields = composition_params(out["policy"], *names)
+            out.update({name: value for name, value in fixed.items() if name in fields and name not in out})
+        return KVCompressConfig.from_dict(out)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy}

@@ -37,7 +37,8 @@ GROUP = "KVCompress"
 # CLI flag suffix / keyword suffix -> config field.
 _COMMON_OPTIONS = {
     "allocation": ("allocation", str, f"how the budget is spread over layers and KV heads, one of "
-                   f"{sorted(ALLOCATIONS)} (default: the policy's own; pyramid and adaptive need layer groups)"),
+                   f"{sorted(ALLOCATIONS)} (default: the policy's own; pyramid, adaptive and retrieval need layer "
+                   f"groups)"),
     "selection": ("selection", str, f"how scores become the kept tokens, one of {sorted(SELECTIONS)}: top-k, "
                   f"span carry (keep what follows a kept token) or whole chunks (default: top)"),
     "merge": ("merge", str, f"what follows selection across depth, one of {sorted(MERGES)}: nothing, or MiniCache "
@@ -49,8 +50,8 @@ _COMMON_OPTIONS = {
     "interval": ("interval", int, "rolling policies evict again after this many new tokens (default: one KV block)"),
     "layer-groups": ("layer_groups", int, "KV cache groups the layers are split into, each with its own block "
                      "table (the number of layers, or a divisor: contiguous tiers); needed by per-layer budgets "
-                     "(pyramid and adaptive allocations) to free memory per layer, and one per layer by merge "
-                     "minicache (default: 1)"),
+                     "(pyramid, adaptive and retrieval allocations) to free memory per layer, and one per layer by "
+                     "merge minicache (default: 1)"),
 }
 
 
@@ -301,6 +302,9 @@ def check_model(vllm_config) -> None:
         problem = parts.merge.problem(num_layers, config.num_layer_groups, hybrid)
         if problem is not None:
             raise KVCompressConfigError(f"{CONFIG_KEY}.merge: {problem}")
+        problem = parts.allocation.problem(num_layers)
+        if problem is not None:
+            raise KVCompressConfigError(f"{CONFIG_KEY}.allocation: {problem}")
 
 
 def wrap_create_engine_config(original):
