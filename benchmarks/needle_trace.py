@@ -26,11 +26,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def tokens_overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """Indices of the tokens (character offsets) that overlap any of the character spans."""
-    return [t for t, (a, b) in enumerate(offsets) if any(a < end and b > start for start, end in spans)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="niah_multiquery")
@@ -51,6 +46,7 @@ def main() -> None:
     from kvc_tools.models import prepare_smollm2
     from vllm_kvcompress.config import KVCompressConfig
     from vllm_kvcompress.reference import ReferenceDecoder
+    from vllm_kvcompress.retrieval_profile import tokens_overlapping
 
     if args.task not in longctx.TASKS:
         raise SystemExit(f"--task: unknown task {args.task!r}; valid: {', '.join(longctx.TASKS)}")

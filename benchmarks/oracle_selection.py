@@ -90,13 +90,13 @@ def main() -> None:
                         help="also write quality_predictions.jsonl here (quality.py's form, for quality_spread.py)")
     args = parser.parse_args()
 
-    from needle_trace import tokens_overlapping
     from quality import kv_args, policy_spec
     from transformers import AutoTokenizer
 
     from kvc_tools.models import prepare_smollm2
     from vllm_kvcompress.config import KVCompressConfig
     from vllm_kvcompress.reference import ReferenceDecoder
+    from vllm_kvcompress.retrieval_profile import tokens_overlapping
 
     global _answer_positions
     spec = policy_spec(args.policy)

@@ -97,6 +97,11 @@ def answer_mass(attention: torch.Tensor, context: list[int]) -> torch.Tensor:
     return attention[:, context].sum(dim=-1)
 
 
+def tokens_overlapping(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """Indices of the tokens (character offsets) that overlap any of the character spans."""
+    return [t for t, (a, b) in enumerate(offsets) if any(a < end and b > start for start, end in spans)]
+
+
 def _answer_tokens(tokenizer: Any, sample: dict) -> tuple[list[int], set[int], list[int]]:
     """The prompt's ids, the token ids of the answers' first occurrences, and the
     indices of those tokens with the `CONTEXT_CHARS` characters before each."""
@@ -107,12 +112,8 @@ def _answer_tokens(tokenizer: Any, sample: dict) -> tuple[list[int], set[int], l
         start = sample["input"].find(answer)
         if start >= 0:
             spans.append((start, start + len(answer)))
-
-    def overlapping(ranges: list[tuple[int, int]]) -> list[int]:
-        return [t for t, (a, b) in enumerate(offsets) if any(a < end and b > start for start, end in ranges)]
-
-    answer_ids = {ids[t] for t in overlapping(spans)}
-    return ids, answer_ids, overlapping([(max(0, a - CONTEXT_CHARS), b) for a, b in spans])
+    answer_ids = {ids[t] for t in tokens_overlapping(offsets, spans)}
+    return ids, answer_ids, tokens_overlapping(offsets, [(max(0, a - CONTEXT_CHARS), b) for a, b in spans])
 
 
 @torch.no_grad()
