@@ -75,6 +75,11 @@ def _flagged_params(flag: str) -> tuple[str, ...]:
                          for f in dataclasses.fields(cls) if f.metadata.get(flag)}))
 
 
+# Fixed at startup (a file the server reads), and files a recipe names relative to itself.
+ENGINE_PARAMS = _flagged_params("engine")
+PATH_PARAMS = _flagged_params("path")
+
+
 def param_field(name: str) -> dataclasses.Field:
     """The dataclass field behind a parameter name (the first component that has it)."""
     for registry in _COMPONENT_REGISTRIES:
@@ -186,7 +191,7 @@ class KVCompressConfig:
         if set(data) == {CONFIG_KEY}:
             data = data[CONFIG_KEY]
         if isinstance(data, Mapping):  # a file a recipe names is relative to the recipe
-            data = {k: str(Path(path).parent / v) if k in _flagged_params("path") and isinstance(v, str)
+            data = {k: str(Path(path).parent / v) if k in PATH_PARAMS and isinstance(v, str)
                     and v and not Path(v).is_absolute() else v for k, v in data.items()}
         return cls.from_dict(data)
 
@@ -209,7 +214,7 @@ class KVCompressConfig:
                 if not startup:
                     raise _fail(name, "an engine setting, fixed at startup; a request cannot change it")
                 engine[name] = overrides[name]
-        for name in _flagged_params("engine"):  # component parameters fixed at startup (a file the server reads)
+        for name in ENGINE_PARAMS:
             if not startup and name in overrides and overrides[name] != self.params.get(name):
                 raise _fail(name, "an engine setting, fixed at startup; a request cannot change it")
         base = self.to_dict()
@@ -232,7 +237,7 @@ class KVCompressConfig:
         out = {**base, **overrides, **engine}
         # The engine's own component parameters (a profile file) carry over to
         # whichever composition a request picks, where it has them.
-        fixed = {name: self.params[name] for name in _flagged_params("engine") if name in self.params}
+        fixed = {name: self.params[name] for name in ENGINE_PARAMS if name in self.params}
         if fixed and _is_name_in(out.get("policy"), POLICIES):
             names = [out.get(c) if _is_name_in(out.get(c), _CHOICES[c]) else None for c in COMPONENT_FIELDS]
             fields = composition_params(out["policy"], *names)

@@ -55,7 +55,6 @@ DEFAULT_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiq
 
 @dataclass(frozen=True)
 class RetrievalProfile:
-    model: str
     kv_head_scores: tuple[tuple[float, ...], ...]  # [num_layers][num_kv_heads]
 
     @property
@@ -88,8 +87,7 @@ def load_profile(path: str) -> RetrievalProfile:
     if not ok or not isinstance(rows, list):
         raise ValueError(f"profile {path!r}: kv_head_scores must be a [layers][KV heads] table of finite "
                          f"scores >= 0")
-    return RetrievalProfile(model=str(data.get("model", "")),
-                            kv_head_scores=tuple(tuple(float(x) for x in r) for r in rows))
+    return RetrievalProfile(kv_head_scores=tuple(tuple(float(x) for x in r) for r in rows))
 
 
 def answer_mass(attention: torch.Tensor, context: list[int]) -> torch.Tensor:
