@@ -13,14 +13,16 @@ worker code, driven the way vLLM drives it:
 - `WorkerCompression.before_update_states` starts request states and runs the
   step's compactions (the `compact_kv_batched` op, MiniCache merges, block
   truncation: freed blocks go back to the harness's pool);
-- `WorkerCompression.observation` builds the step's observed, masked and merged
-  queries; after each layer's attention its hooks run as in
-  `vllm_seam/attention.py`: `mask_heads`, `attend_merged`, `observe`.
+- `WorkerCompression.observation` builds the step's observed, fused, masked
+  and merged queries; after each layer's attention its hooks run as in
+  `vllm_seam/attention.py` (`StepObservation.after_attention`).
 
 Attention itself (vLLM's kernel in the engine): prompt chunks through torch's
 SDPA over the gathered cache, decode steps through the kernel op
 `decode_attention_with_scores` (Triton on CUDA, torch elsewhere), one call for
-all decoding requests of a layer.
+all decoding requests of a layer. Rows the worker fuses (a decode query a
+plain-softmax scorer observes) attend one key here, as vLLM's kernel does
+under the plugin's metadata edit; the worker's `attend_fused` writes them.
 
 Needs torch only (Triton on CUDA); `random_llama` makes weights without
 transformers. On CPU (CI) its greedy tokens equal the reference decoder's on
@@ -243,7 +245,12 @@ class PagedDecoder:
             for i, r in enumerate(rows):
                 table[i, :len(r)] = torch.tensor(r)
             tables.append(table.to(self.device))
-            seq_lens.append([int(physical[g][s + n - 1]) + 1 for s, n in zip(starts, n_sched)])
+            lens = [int(physical[g][s + n - 1]) + 1 for s, n in zip(starts, n_sched)]
+            # As the plugin edits vLLM's metadata: the kernel attends one key
+            # for the rows whose attention the worker's fused op computes.
+            for row in step.fused_rows if step is not None else ():
+                lens[row] = 1
+            seq_lens.append(lens)
         w = self.w
         token_ids = torch.tensor([t for c in chunks for t in c], device=self.device)
         x = F.embedding(token_ids, w["model.embed_tokens.weight"])
@@ -276,9 +283,7 @@ class PagedDecoder:
             out = out.view(total, -1)
             if step is not None:
                 with _no_syncs(check_syncs and self.device.type == "cuda"):
-                    step.mask_heads(layer.layer_name, q, layer.kv_cache, out)
-                    step.attend_merged(layer.layer_name, q, layer.kv_cache, out)
-                    step.observe(layer.layer_name, q, layer.kv_cache)
+                    step.after_attention(layer.layer_name, q, layer.kv_cache, out)
             x = x + F.linear(out, w[p + "self_attn.o_proj.weight"])
             h = self._norm(x, p + "post_attention_layernorm.weight")
             gate, up = F.linear(h, w[p + "mlp.gate_proj.weight"]), F.linear(h, w[p + "mlp.up_proj.weight"])

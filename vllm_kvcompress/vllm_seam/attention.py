@@ -2,7 +2,10 @@
 
 vLLM's attention kernels do not return attention probabilities, so after the
 regular forward the queries a policy observes are scored against the request's
-cached keys (read back through the block table). Nor do they take a length
+cached keys (read back through the block table); a decode query a plain
+softmax scorer observes (H2O, TOVA, ...) gets its attention and its scores
+from one op instead, vLLM's kernel attending a single key for that row
+(worker.MetadataEdits). Nor do vLLM's kernels take a length
 per KV head: requests whose heads keep different counts get their rows redone
 with those heads' evicted slots masked; and the upper layer of a MiniCache
 pair reads most of its keys and values from the lower layer's cache, so
@@ -20,18 +23,16 @@ from . import worker
 
 
 class ObserveQueries:
-    """Attention impl mixin: after the forward, mask per-head evicted slots
-    and redo merged layers' rows (kernel ops), and score the step's observed
-    queries."""
+    """Attention impl mixin: after the forward, mask per-head evicted slots,
+    redo merged layers' rows, attend fused decode rows (kernel ops), and
+    score the step's observed queries."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(  # type: ignore[misc]  # a mixin before vLLM's impl class
             layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         step = worker.active_observation()
         if step is not None and attn_metadata is not None:
-            step.mask_heads(layer.layer_name, query, kv_cache, output)
-            step.attend_merged(layer.layer_name, query, kv_cache, output)
-            step.observe(layer.layer_name, query, kv_cache)
+            step.after_attention(layer.layer_name, query, kv_cache, output)
         return output
 
 

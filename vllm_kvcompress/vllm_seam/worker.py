@@ -107,16 +107,72 @@ class StepObservation:
     def __init__(self, worker: WorkerCompression) -> None:
         self.worker = worker
         self.observed: list[StepRequest] = []  # the queries a scorer observes
+        # Of those, requests whose one query (a decode step) gets its attention
+        # and its scores from one op (`attend_fused`): vLLM's kernel sees them
+        # as one-key rows (`fused_rows`, rows of the step's batch) and does not
+        # read their cache.
+        self.fused: list[StepRequest] = []
+        self.fused_rows: list[int] = []
         self.masked: list[StepRequest] = []  # all queries of requests with per-head budgets
         self.merged: list[StepRequest] = []  # all queries of requests with merged layer pairs
-        self._batches: dict[int, ScoringBatch | None] = {}
+        self._batches: dict[tuple[str, int], ScoringBatch | None] = {}
+        self._fused_scores: dict[int, torch.Tensor] = {}
         self.layers_seen = 0
 
-    def _batch(self, group: int) -> ScoringBatch | None:
-        if group not in self._batches:
-            plain = [r for r in self.observed if not r.state.noisy]
-            self._batches[group] = ScoringBatch.build(plain, group, self.worker.device) if plain else None
-        return self._batches[group]
+    def _batch(self, kind: str, group: int) -> ScoringBatch | None:
+        """The step's `kind` requests of a group as one batch (built once per step):
+        'fused', or 'window' (the other plain-softmax observed requests)."""
+        if (kind, group) not in self._batches:
+            fused = {id(r) for r in self.fused}
+            requests = self.fused if kind == "fused" else \
+                [r for r in self.observed if not r.state.noisy and id(r) not in fused]
+            self._batches[kind, group] = ScoringBatch.build(requests, group, self.worker.device) if requests else None
+        return self._batches[kind, group]
+
+    def after_attention(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor,
+                        output: torch.Tensor) -> None:
+        """Everything the step needs after a layer's attention (vLLM's kernel
+        has written `output` and this step's keys and values into `kv_cache`).
+        Each request goes through at most one of the three passes that
+        rewrite its rows (a fused request is neither masked nor merged)."""
+        self.mask_heads(layer_name, query, kv_cache, output)
+        self.attend_merged(layer_name, query, kv_cache, output)
+        self.attend_fused(layer_name, query, kv_cache, output)
+        self.observe(layer_name, query, kv_cache)
+
+    def attend_fused(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor,
+                     output: torch.Tensor) -> None:
+        """Decode attention and decode scoring in one pass over K and V
+        (`decode_attention_with_scores`) for the fused requests, all of them
+        in one op call per layer: their rows of `output` are written here
+        (vLLM's kernel attended one key for them) and the probabilities go to
+        each request's scores."""
+        worker = self.worker
+        layer = worker.layer_of.get(layer_name)
+        if layer is None:  # a sliding-window layer: not compressed
+            return
+        group = worker.group_of_layer[layer]
+        batch = self._batch("fused", group)
+        if batch is None:
+            return
+        start = time.perf_counter()
+        keys, values = worker.views(kv_cache)
+        # One zeroed buffer per group and step, reused by its layers: the
+        # probabilities are added into each request's own scores right after.
+        scores = self._fused_scores.get(group)
+        if scores is None:
+            scores = self._fused_scores[group] = torch.zeros(
+                len(batch.requests), query.shape[1], batch.max_seq_len, dtype=torch.float32, device=keys.device)
+        else:
+            scores.zero_()
+        out = worker.ops.decode_attention_with_scores(
+            query[batch.token_idx], keys, values, batch.block_tables, batch.seq_lens, worker.scales[layer],
+            scores, max_seq_len=batch.max_seq_len)
+        rows = output.view(output.shape[0], -1)
+        rows[batch.token_idx] = out.reshape(len(batch.requests), -1).to(rows.dtype)
+        for i, r in enumerate(batch.requests):
+            r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
+        worker.seconds["scoring"] += time.perf_counter() - start
 
     def mask_heads(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
         """Redo attention for requests whose heads keep different counts.
@@ -216,7 +272,7 @@ class StepObservation:
         start = time.perf_counter()
         group = worker.group_of_layer[layer]
         keys = worker.views(kv_cache)[0]
-        batch = self._batch(group)
+        batch = self._batch("window", group)
         if batch is not None:
             # One op over every request: softmax sums per cached slot.
             q = query[batch.token_idx]
@@ -475,7 +531,7 @@ class WorkerCompression:
 
     def before_update_states(self, so) -> None:
         set_active(None)
-        set_group_seq_len_deltas(None)
+        set_metadata_edits(None)
         plan: StepPlan = getattr(so, PLAN_ATTR, None) or StepPlan()
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
@@ -626,6 +682,7 @@ class WorkerCompression:
         if positions.device.type == "cpu" and not torch.equal(positions, positions_host):
             raise RuntimeError("kv_compress: the runner's positions are not num_computed_tokens + query offset")
         physical_host = [positions_host] * self.num_groups
+        deltas: dict[int, torch.Tensor] = {}
         if offsets.any():
             for g, vg in enumerate(self.vllm_groups):
                 if offsets[:, vg].any():
@@ -641,8 +698,12 @@ class WorkerCompression:
             runner.optimistic_seq_lens_cpu[:num_reqs] -= off.to(runner.optimistic_seq_lens_cpu.dtype)
             deltas = {g: torch.from_numpy(offsets[:, g] - offsets[:, 0]).to(torch.int32)
                       for g in range(1, self.num_vllm_groups) if (offsets[:, g] != offsets[:, 0]).any()}
-            set_group_seq_len_deltas(deltas or None)
-        set_active(self.observation(req_ids, starts, num_scheduled_tokens, positions_host, physical_host))
+        step = self.observation(req_ids, starts, num_scheduled_tokens, positions_host, physical_host)
+        set_active(step)
+        fused = torch.tensor(step.fused_rows if step is not None else [], dtype=torch.int64)
+        if deltas or len(fused):
+            set_metadata_edits(MetadataEdits(num_reqs, deltas, fused, upload(fused, runner.seq_lens.device),
+                                             frozenset(self.vllm_groups)))
 
     def observation(self, req_ids, starts, num_scheduled_tokens, positions_host: torch.Tensor,
                     physical_host: list[torch.Tensor]) -> StepObservation | None:
@@ -658,9 +719,16 @@ class WorkerCompression:
             q_log = positions_host[sl]
             state.append(q_log)
             observed = state.observed(q_log)
+            masked = any(d is not None for d in state.dead)
             if observed.any():
-                step.observed.append(self._step_request(rid, state, sl, observed, q_log, physical_host))
-            if any(d is not None for d in state.dead):
+                request = self._step_request(rid, state, sl, observed, q_log, physical_host)
+                step.observed.append(request)
+                # One query observed with a plain softmax: it sees every
+                # cached slot, so its attention and its scores are one pass.
+                if len(q_log) == 1 and not state.noisy and not masked and not state.merged:
+                    step.fused.append(request)
+                    step.fused_rows.append(i)
+            if masked:
                 step.masked.append(self._step_request(rid, state, sl, slice(None), q_log, physical_host))
             if state.merged:
                 step.merged.append(self._step_request(rid, state, sl, slice(None), q_log, physical_host))
@@ -689,36 +757,64 @@ def set_active(step: StepObservation | None) -> None:
     _active_step = step
 
 
-# Per KV cache group (other than 0): how much shorter than group 0 each
-# scheduled request's physical length is, for this step's metadata.
-_group_seq_len_deltas: dict[int, torch.Tensor] | None = None
+@dataclass(frozen=True)
+class MetadataEdits:
+    """How this step's attention metadata differs, per vLLM KV cache group,
+    from the seq_lens the runner computed (vLLM group 0's physical lengths)."""
+
+    num_reqs: int
+    # vLLM group (other than 0) -> [num_reqs] int32, host: how much shorter
+    # than group 0 each request's physical length is.
+    deltas: dict[int, torch.Tensor]
+    # Rows (requests) whose attention `attend_fused` computes in the
+    # compressed groups: vLLM's kernel attends one key for them (seq_len 1,
+    # a valid row for every backend) instead of reading their whole cache.
+    fused_rows: torch.Tensor  # host int64
+    fused_rows_device: torch.Tensor  # the same, on the seq_lens' device
+    compressed_groups: frozenset[int]
+
+    def apply(self, cm, vllm_group: int):
+        """vLLM's CommonAttentionMetadata `cm` for this group, edited (a copy;
+        `cm` itself is shared by every group)."""
+        delta = self.deltas.get(vllm_group)
+        fuse = vllm_group in self.compressed_groups and len(self.fused_rows) > 0
+        if delta is None and not fuse:
+            return cm
+        if cm.num_reqs != self.num_reqs:
+            raise RuntimeError(f"kv_compress: metadata for {cm.num_reqs} requests, step planned {self.num_reqs}")
+        seq_lens = cm.seq_lens.clone()
+        upper = cm.seq_lens_cpu_upper_bound
+        upper = None if upper is None else upper.clone()
+        max_seq_len = cm.max_seq_len  # still an upper bound where fused rows shrink
+        if delta is not None:
+            seq_lens[: len(delta)] -= upload(delta, seq_lens.device).to(seq_lens.dtype)
+            if upper is not None:
+                upper[: len(delta)] -= delta.to(upper.dtype)
+            # This group may be longer than group 0: the longest from the host
+            # bound when there is one (no read-back).
+            bound = upper if upper is not None else seq_lens
+            max_seq_len = max(max_seq_len, int(bound[: len(delta)].max()) if len(delta) else 0)
+        if fuse:
+            seq_lens[self.fused_rows_device] = 1
+            if upper is not None:
+                upper[self.fused_rows] = 1
+        return cm.replace(seq_lens=seq_lens, seq_lens_cpu_upper_bound=upper, max_seq_len=max_seq_len,
+                          _num_computed_tokens_cache=None)
 
 
-def set_group_seq_len_deltas(deltas: dict[int, torch.Tensor] | None) -> None:
-    global _group_seq_len_deltas
-    _group_seq_len_deltas = deltas
+_metadata_edits: MetadataEdits | None = None
+
+
+def set_metadata_edits(edits: MetadataEdits | None) -> None:
+    global _metadata_edits
+    _metadata_edits = edits
 
 
 def wrap_build_metadata(original):
     def build_metadata(self, common_attn_metadata, *args, **kwargs):
-        deltas = _group_seq_len_deltas
-        delta = None if deltas is None else deltas.get(self.kv_cache_group_id)
-        if delta is not None:
-            cm = common_attn_metadata
-            if cm.num_reqs != len(delta):
-                raise RuntimeError(f"kv_compress: metadata for {cm.num_reqs} requests, step planned {len(delta)}")
-            seq_lens = cm.seq_lens.clone()
-            seq_lens[: len(delta)] -= upload(delta, seq_lens.device).to(seq_lens.dtype)
-            upper = cm.seq_lens_cpu_upper_bound
-            if upper is not None:
-                upper = upper.clone()
-                upper[: len(delta)] -= delta.to(upper.dtype)
-            # The longest from the host bound when there is one (no read-back).
-            bound = upper if upper is not None else seq_lens
-            longest = int(bound[: len(delta)].max()) if len(delta) else 0
-            common_attn_metadata = cm.replace(seq_lens=seq_lens, seq_lens_cpu_upper_bound=upper,
-                                              max_seq_len=max(cm.max_seq_len, longest),
-                                              _num_computed_tokens_cache=None)
+        edits = _metadata_edits
+        if edits is not None:
+            common_attn_metadata = edits.apply(common_attn_metadata, self.kv_cache_group_id)
         return original(self, common_attn_metadata, *args, **kwargs)
 
     return build_metadata
