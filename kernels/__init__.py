@@ -22,7 +22,7 @@ import types
 
 from . import reference
 
-__all__ = ["get_ops", "triton_available", "reference", "OP_NAMES"]
+__all__ = ["get_ops", "triton_ops", "triton_available", "reference", "OP_NAMES"]
 
 OP_NAMES = reference.OP_NAMES
 
@@ -47,6 +47,14 @@ def _namespace(mod, backend: str) -> types.SimpleNamespace:
     return ns
 
 
+def triton_ops() -> types.SimpleNamespace:
+    """The Triton namespace whatever the device: on CUDA tensors, or on CPU
+    tensors under ``TRITON_INTERPRET=1`` (set before Triton is imported)."""
+    from . import triton_kernels
+
+    return _namespace(triton_kernels, "triton")
+
+
 def get_ops(device_type: str = "cpu", prefer_triton: bool = True) -> types.SimpleNamespace:
     """Namespace of kernel functions for ``device_type``.
 
@@ -55,7 +63,5 @@ def get_ops(device_type: str = "cpu", prefer_triton: bool = True) -> types.Simpl
     (``ns.backend == 'torch'``), which work on any device torch supports.
     """
     if device_type == "cuda" and prefer_triton and triton_available():
-        from . import triton_kernels
-
-        return _namespace(triton_kernels, "triton")
+        return triton_ops()
     return _namespace(reference, "torch")

@@ -94,7 +94,10 @@ class PagedLayer:
 class PagedDecoder:
     def __init__(self, config: dict, weights: dict[str, torch.Tensor], device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, block_size: int = 16, num_blocks: int = 512,
-                 layout: str = "NHD") -> None:
+                 layout: str = "NHD", ops: types.SimpleNamespace | None = None) -> None:
+        """`ops`: the kernel op namespace the worker calls (default: by
+        device, as the engine picks it); e.g. the Triton ops on CPU tensors
+        under TRITON_INTERPRET=1."""
         if layout not in ("NHD", "HND"):
             raise ValueError(f"layout must be one of ['NHD', 'HND'], got {layout!r}")
         self.cfg = {k: config[k] for k in LLAMA_KEYS if k in config}
@@ -105,6 +108,7 @@ class PagedDecoder:
         self.d = self.cfg.get("head_dim") or self.cfg["hidden_size"] // self.hq
         self.scale = self.d ** -0.5
         self.block_size, self.num_blocks, self.layout = block_size, num_blocks, layout
+        self.ops = ops
         inv_freq = 1.0 / (self.cfg["rope_theta"] ** (torch.arange(0, self.d, 2, dtype=torch.float32) / self.d))
         self.inv_freq = inv_freq.to(self.device)
 
@@ -160,6 +164,8 @@ class PagedDecoder:
         worker = WorkerCompression.__new__(WorkerCompression)
         worker.setup(runner, layers, group_of_layer, tuple(range(num_groups)), num_groups, bs, split_kv_cache,
                      ONE_DEVICE)
+        if self.ops is not None:
+            worker.ops = self.ops
         free = list(range(self.num_blocks))
         plans, started = {}, []
         for rid, prompt, config in zip(ids, prompts, configs):

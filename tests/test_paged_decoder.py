@@ -78,6 +78,48 @@ def test_paged_harness_per_layer_groups_and_minicache(tiny):
     assert len(set(pyramid_blocks)) > 1  # layers hold different lengths, hence blocks
 
 
+PER_LAYER = [{"policy": "pyramidkv", "budget": 48, "window": 8, "layer_groups": NUM_LAYERS},
+             {"policy": "minicache", "start_layer": 2, "retain_ratio": 0.1, "layer_groups": NUM_LAYERS},
+             {"policy": "adakv", "budget": 40, "window": 8, "layer_groups": NUM_LAYERS}]
+
+
+def _triton_ops_on_cpu():
+    """The Triton ops, run by Triton's interpreter on CPU tensors (None when
+    this process already compiled them for a GPU)."""
+    import os
+    import sys
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated
+    from vllm_kvcompress.kernels import triton_ops
+
+    ops = triton_ops()
+    module = sys.modules["vllm_kvcompress.kernels.triton_kernels"]
+    return ops if type(module._compact_kernel).__name__ == "InterpretedFunction" else None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the CUDA test below runs the compiled kernels")
+@pytest.mark.parametrize("configs", [*CONFIGS, PER_LAYER], ids=["once", "rolling", "per-head", "streamed", "per-layer"])
+def test_paged_harness_with_triton_ops_equals_torch_ops(configs):
+    """What the worker runs on CUDA (the Triton ops, called with the worker's
+    own arguments: scores buffers, fused decode rows, compaction tables,
+    per-head masks, merged layers), interpreted on CPU, gives the torch ops'
+    tokens, kept positions and blocks."""
+    ops = _triton_ops_on_cpu()
+    if ops is None:
+        pytest.skip("Triton kernels already compiled for a GPU in this process")
+    cfg, weights = random_llama(seed=5, num_hidden_layers=NUM_LAYERS)
+    batch = prompts((90, 61, 75), seed=7)
+    kv = [KVCompressConfig.from_dict(c) if c else KVCompressConfig() for c in configs]
+    torch_run = PagedDecoder(cfg, weights, block_size=BLOCK_SIZE).generate(batch, NEW_TOKENS, kv)
+    triton_run = PagedDecoder(cfg, weights, block_size=BLOCK_SIZE, ops=ops).generate(batch, NEW_TOKENS, kv)
+    for config, t, c in zip(kv, triton_run, torch_run):
+        assert t["tokens"] == c["tokens"], config
+        assert t["blocks"] == c["blocks"], config
+        if c["kept_positions"] is not None:
+            for tp, cp in zip(t["kept_positions"], c["kept_positions"]):
+                assert torch.equal(tp.sort(-1).values, cp.sort(-1).values), config
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it there)")
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_paged_harness_on_cuda_equals_cpu_without_host_syncs(layout):
@@ -86,13 +128,8 @@ def test_paged_harness_on_cuda_equals_cpu_without_host_syncs(layout):
     for the device (torch.cuda.set_sync_debug_mode('error') around them)."""
     cfg, weights = random_llama(seed=5, num_hidden_layers=NUM_LAYERS)
     batch = prompts((130, 97, 161), seed=7)
-    runs = [[KVCompressConfig.from_dict(c) if c else KVCompressConfig() for c in configs] for configs in CONFIGS]
-    runs.append([KVCompressConfig.from_dict({"policy": "pyramidkv", "budget": 48, "window": 8,
-                                             "layer_groups": NUM_LAYERS}),
-                 KVCompressConfig.from_dict({"policy": "minicache", "start_layer": 2, "retain_ratio": 0.1,
-                                             "layer_groups": NUM_LAYERS}),
-                 KVCompressConfig.from_dict({"policy": "adakv", "budget": 40, "window": 8,
-                                             "layer_groups": NUM_LAYERS})])
+    runs = [[KVCompressConfig.from_dict(c) if c else KVCompressConfig() for c in configs]
+            for configs in [*CONFIGS, PER_LAYER]]
     for kv in runs:
         cpu = PagedDecoder(cfg, weights, block_size=BLOCK_SIZE, layout=layout).generate(batch, NEW_TOKENS, kv)
         gpu = PagedDecoder(cfg, weights, device="cuda", block_size=BLOCK_SIZE, layout=layout).generate(
