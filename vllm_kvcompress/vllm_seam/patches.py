@@ -26,7 +26,9 @@ Subclasses that vLLM instantiates for us (not patches):
     attention.KVCompressFlashBackend/Impl, registered for FLASH_ATTN on CUDA.
     After vLLM's `forward` they redo the output rows of requests whose KV
     heads keep different counts (per-head budgets: each head's evicted slots
-    masked) and score the step's observed queries.
+    masked), write the rows of fused decode queries (attention and scores in
+    one op; vLLM's kernel attended one key for them) and score the step's
+    other observed queries.
 
 Patched symbols: the table below, one line each.
 """
@@ -75,7 +77,7 @@ vllm.v1.worker.gpu_model_runner | GPUModelRunner | sample_tokens | worker.wrap_s
 vllm.v1.core.kv_cache_utils | | get_kv_cache_groups | groups.wrap_get_kv_cache_groups | function
     | KV cache groups carry CompressedAttentionSpec; --kv-compress-layer-groups splits the layers
 vllm.v1.worker.utils | AttentionGroup | build_metadata | worker.wrap_build_metadata | method
-    | each KV cache group's seq_lens follow that group's physical length
+    | each KV cache group's seq_lens follow that group's physical length; fused decode rows attend one key
 vllm.v1.engine.core | EngineCore | kv_compress_stats | scheduler.make_engine_stats | method
     | a utility method so LLM/serve clients can read the scheduler's compression stats
 """
