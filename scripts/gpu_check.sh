@@ -8,10 +8,12 @@
 #   1. install this package without dependencies (works offline);
 #   2. the kernel tests compiled for the GPU (CI runs them in Triton's interpreter);
 #   3. the GPU harness without vLLM (tests/test_paged_decoder.py -k cuda): the
-#      worker's CUDA path on FLASH_ATTN caches equals its CPU run, no host syncs;
+#      worker's CUDA path on FLASH_ATTN caches (fused decode rows included)
+#      equals its CPU run, no host syncs;
 #   4. benchmarks/kernels.py: Triton vs torch vs the bytes-moved floor (incl.
 #      fused decode attention + scores vs attention alone);
-#   5. scripts/gpu_e2e.py: vLLM on the GPU with the plugin (FLASH_ATTN).
+#   5. scripts/gpu_e2e.py: vLLM on the GPU with the plugin (FLASH_ATTN; its h2o
+#      request decodes through the fused op and the metadata edit).
 # Results go to OUT_DIR (default $OUT, else ./gpu_check_out). Exit status 1 if
 # any step that ran failed.
 set -uo pipefail
