@@ -331,3 +331,11 @@ def _pad_tokens(acc: torch.Tensor, num_tokens: int) -> torch.Tensor:
     if acc.shape[-1] >= num_tokens:
         return acc
     return torch.nn.functional.pad(acc, (0, num_tokens - acc.shape[-1]))
+
+
+def score_bytes_per_kv_byte(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_bytes: int) -> float:
+    """Bytes of accumulated scores (`RequestCompression.attention`: float32, one
+    per query head) a cached token may hold per byte of its keys and values
+    (one K and one V per KV head, `kv_bytes` each element): what a KV cache
+    of B bytes can cost again in scores, at most, is B times this."""
+    return 4 * num_q_heads / (2 * num_kv_heads * head_dim * kv_bytes)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache_layout import LAYOUTS, KVViews
-from ..compression import MergedUpper, RequestCompression
+from ..compression import MergedUpper, RequestCompression, score_bytes_per_kv_byte
 from ..config import CONFIG_KEY, KVCompressConfig
 from ..kernels import get_ops
 from ..plan import BUDGETS_ATTR, PLAN_ATTR, Compaction, ReportedBudgets, StepPlan
@@ -831,6 +831,37 @@ def _compression(runner) -> WorkerCompression | None:
         enabled = CONFIG_KEY in (runner.vllm_config.additional_config or {})
         kvc = runner._kv_compress = WorkerCompression(runner) if enabled else None
     return kvc
+
+
+def wrap_determine_available_memory(original):
+    """CUDA: leave room for the scores beside the KV cache vLLM sizes.
+
+    vLLM gives the KV cache what its profiling run leaves free; the plugin's
+    per-request scores (float32 per query head and cached token, on the
+    device while a policy needs them) grow with the cached tokens and were
+    never part of that run. Worst case every cached token carries scores, so
+    the cache gets B / (1 + f) of the B bytes, f = score bytes per KV byte
+    (about 3% for 4 query heads per KV head, head_dim 128, bf16). The CPU
+    worker sizes its cache from VLLM_CPU_KVCACHE_SPACE instead (its own
+    method; this one is not called there)."""
+
+    def determine_available_memory(self) -> int:
+        available = original(self)
+        if CONFIG_KEY not in (self.vllm_config.additional_config or {}) or self.cache_config.kv_cache_memory_bytes:
+            return available  # off, or the user sized the KV cache in bytes: scores come on top
+        model, parallel, cache = self.model_config, self.parallel_config, self.cache_config
+        dtype = model.dtype if cache.cache_dtype == "auto" else None
+        if dtype is None:  # check_layout refuses other cache dtypes at startup
+            return available
+        ratio = score_bytes_per_kv_byte(model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel),
+                                        model.get_head_size(), dtype.itemsize)
+        kept = int(available / (1 + ratio))
+        logger.info("kv_compress: %.2f GiB of %.2f GiB left for the KV cache; %.2f GiB for scores "
+                    "(%.1f%% of the KV bytes)", kept / 2**30, available / 2**30, (available - kept) / 2**30,
+                    100 * ratio)
+        return kept
+
+    return determine_available_memory
 
 
 def wrap_initialize_kv_cache(original):

@@ -1,0 +1,62 @@
+"""The KV cache vLLM sizes on CUDA leaves room for the plugin's scores.
+
+vLLM's CUDA worker gives the KV cache what its profiling run leaves free;
+the plugin's accumulated scores (float32 per query head and cached token)
+were never in that run, so the worker's `determine_available_memory` is
+wrapped to keep their worst case out of the cache. No CUDA build of vLLM
+runs here: the wrapper is driven with vLLM's real config objects' methods
+replaced by what a CUDA worker would answer, and the CPU worker's own method
+(which sizes the cache from VLLM_CPU_KVCACHE_SPACE) is checked to be the one
+vLLM calls on CPU.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from vllm_kvcompress.compression import RequestCompression, score_bytes_per_kv_byte
+from vllm_kvcompress.config import CONFIG_KEY, KVCompressConfig
+from vllm_kvcompress.plan import resolve_plan
+from vllm_kvcompress.vllm_seam import worker
+from vllm_kvcompress.vllm_seam.patches import PATCHES
+
+GIB = 1 << 30
+
+
+def test_score_bytes_match_what_a_request_holds():
+    """A rolling request's scores, per layer, against its K and V per layer."""
+    hq, hkv, d, tokens = 8, 2, 16, 40
+    plan = resolve_plan(KVCompressConfig.from_dict({"policy": "h2o", "budget": 32, "interval": 1}), 64, 1, 16)
+    state = RequestCompression(plan, 1, hkv, hq)
+    state.accumulate(0, torch.rand(hq, tokens))
+    score_bytes = state.attention[0][:, :tokens].numel() * 4
+    kv_bytes = 2 * hkv * tokens * d * 2  # bf16 K and V
+    assert score_bytes / kv_bytes == score_bytes_per_kv_byte(hq, hkv, d, 2) == 0.25
+
+
+def _cuda_worker(additional_config, kv_cache_memory_bytes=None):
+    model = types.SimpleNamespace(dtype=torch.bfloat16, get_head_size=lambda: 128,
+                                  get_num_attention_heads=lambda parallel: 32, get_num_kv_heads=lambda parallel: 8)
+    return types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(additional_config=additional_config), model_config=model,
+        parallel_config=None,
+        cache_config=types.SimpleNamespace(cache_dtype="auto", kv_cache_memory_bytes=kv_cache_memory_bytes))
+
+
+def test_cuda_kv_cache_leaves_room_for_scores():
+    determine = worker.wrap_determine_available_memory(lambda self: 33 * GIB)
+    on = {CONFIG_KEY: KVCompressConfig.from_dict({"policy": "h2o", "budget": 256}).to_dict()}
+    # 32 query heads, 8 KV heads, head_dim 128, bf16: scores are 1/32 of the KV bytes.
+    kept = determine(_cuda_worker(on))
+    assert kept == 32 * GIB and kept + kept / 32 == 33 * GIB
+    assert determine(_cuda_worker({})) == 33 * GIB  # compression off: vLLM's number
+    assert determine(_cuda_worker(on, kv_cache_memory_bytes=GIB)) == 33 * GIB  # sized by the user
+
+
+def test_the_wrap_is_listed_and_inert_on_cpu():
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    assert any(p.owner == "Worker" and p.attr == "determine_available_memory" for p in PATCHES)
+    assert "determine_available_memory" in vars(CPUWorker)  # the CPU worker's own method runs there
