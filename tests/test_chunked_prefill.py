@@ -43,3 +43,13 @@ def test_chunked_prefill_matches_reference(engine, reference, override):
     for prompt, tokens in zip(prompts, got):
         assert tokens == reference.generate(prompt, 36, config, block_size=32)["tokens"], len(prompt)
     assert engine.stats()["tokens_evicted"] > 0
+
+
+@pytest.mark.parametrize("override", [None, {"policy": "h2o", "budget": 64}, {"policy": "tova", "budget": 40}])
+def test_a_one_token_last_chunk_matches_reference(engine, reference, override):
+    """97 tokens alone in 48-token steps: the prompt's last chunk is its one
+    observed query, attended and scored by the fused decode op."""
+    prompt = random_prompts((2 * CHUNK + 1,), seed=5)[0]
+    got = engine.generate([prompt], 36, [override])[0]
+    config = KVCompressConfig.from_dict(override or {"policy": "snapkv", "budget": 64, "window": 32})
+    assert got == reference.generate(prompt, 36, config, block_size=32)["tokens"]
