@@ -73,7 +73,8 @@ def main() -> None:
 
     worker.WorkerCompression.observation = switched
     attention_s = {"total": 0.0}
-    forward = attention.KVCompressCPUImpl.forward if not _cuda() else attention.KVCompressFlashImpl.forward
+    impl = attention.KVCompressFlashImpl if _cuda() else attention.KVCompressCPUImpl
+    forward = impl.forward
 
     def timed(self, *a, **k):
         start = time.perf_counter()
@@ -85,7 +86,6 @@ def main() -> None:
         attention_s["total"] += time.perf_counter() - start
         return out
 
-    impl = attention.KVCompressFlashImpl if _cuda() else attention.KVCompressCPUImpl
     impl.forward = timed  # type: ignore[method-assign]
 
     model = args.model or str(prepare_smollm2())
