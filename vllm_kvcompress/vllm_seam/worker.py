@@ -849,12 +849,11 @@ def wrap_determine_available_memory(original):
         available = original(self)
         if CONFIG_KEY not in (self.vllm_config.additional_config or {}) or self.cache_config.kv_cache_memory_bytes:
             return available  # off, or the user sized the KV cache in bytes: scores come on top
-        model, parallel, cache = self.model_config, self.parallel_config, self.cache_config
-        dtype = model.dtype if cache.cache_dtype == "auto" else None
-        if dtype is None:  # check_layout refuses other cache dtypes at startup
+        if self.cache_config.cache_dtype != "auto":  # check_layout refuses other cache dtypes at startup
             return available
+        model, parallel = self.model_config, self.parallel_config
         ratio = score_bytes_per_kv_byte(model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel),
-                                        model.get_head_size(), dtype.itemsize)
+                                        model.get_head_size(), model.dtype.itemsize)
         kept = int(available / (1 + ratio))
         logger.info("kv_compress: %.2f GiB of %.2f GiB left for the KV cache; %.2f GiB for scores "
                     "(%.1f%% of the KV bytes)", kept / 2**30, available / 2**30, (available - kept) / 2**30,
