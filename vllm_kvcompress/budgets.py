@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 
+from .limits import bounded
 from .retrieval_profile import load_profile
 
 
@@ -70,8 +71,8 @@ class Pyramid(Allocation):
     name = "pyramid"
     per_layer = True
 
-    beta: int = field(default=20, metadata={"help": "pyramid: the top layer keeps (budget - window) / beta tokens "
-                                                    "beyond the window"})
+    beta: int = field(default=20, metadata=bounded(
+        1, "tokens", help="pyramid: the top layer keeps (budget - window) / beta tokens beyond the window"))
 
     def validate(self) -> None:
         if self.beta < 1:
@@ -106,8 +107,8 @@ class Adaptive(Allocation):
 
     coverage: float = field(default=0.9, metadata={"help": "adaptive: share of the observed attention a "
                                                            "layer's need covers"})
-    floor: int = field(default=0, metadata={"help": "adaptive: fewest tokens a layer keeps (0: the scorer's "
-                                                    "protected tokens)"})
+    floor: int = field(default=0, metadata=bounded(
+        0, "tokens", help="adaptive: fewest tokens a layer keeps (0: the scorer's protected tokens)"))
 
     def validate(self) -> None:
         if not 0 < self.coverage <= 1:  # also rejects NaN

@@ -41,6 +41,10 @@ class MergedUpper:
                    key_scale=key.scale, value_slot=value.slot, value_scale=value.scale)
 
 
+# Most columns a layer's score buffer holds beyond its cached tokens.
+SCORE_SLACK_TOKENS = 256
+
+
 class RequestCompression:
     """One request's compression state on one worker: `num_kv_heads` and
     `num_q_heads` are the heads this worker holds (`shard`)."""
@@ -173,15 +177,17 @@ class RequestCompression:
         """Add this step's [Hq, T] attention (summed over its observed queries),
         in place, on the device it was computed on: no copy to the host per step.
 
-        The buffer holds `interval` columns beyond the cache, zero until their
-        tokens are observed, so a decoding request allocates once per
-        compaction interval, not once per step; readers take the cache's
-        length of it (`_observed`)."""
+        The buffer holds up to `SCORE_SLACK_TOKENS` columns beyond the cache
+        (the interval, when shorter), zero until their tokens are observed,
+        so a decoding request allocates once per compaction interval (or per
+        that many tokens), not once per step; readers take the cache's length
+        of it (`_observed`). The slack is a constant, not the interval a
+        request sets: a request's scores never outgrow its cache by more."""
         width = attention.shape[-1]
         acc = self.attention[layer]
         if acc is None or acc.shape[-1] < width:
-            grown = torch.zeros(attention.shape[0], width + max(self.plan.interval, 1), dtype=torch.float32,
-                                device=attention.device)
+            slack = min(max(self.plan.interval, 1), SCORE_SLACK_TOKENS)
+            grown = torch.zeros(attention.shape[0], width + slack, dtype=torch.float32, device=attention.device)
             if acc is not None and self.scorer.observe is not Observe.LAST:
                 grown[:, : acc.shape[-1]] = acc
             acc = self.attention[layer] = grown

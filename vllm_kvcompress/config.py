@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .budgets import ALLOCATIONS
+from .limits import Bound, EngineLimits, field_bound
 from .merge import MERGES
 from .registry import POLICIES, Components, component_classes
 from .scorers import SCORERS, Observe
@@ -35,6 +37,8 @@ ENGINE_FIELDS = ("layer_groups",)  # fixed at startup: a request cannot change t
 # Common fields other than `policy`, with their types (None when not given).
 _OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "selection": str, "merge": str, "budget": int,
                                      "compression_ratio": float, "interval": int, "layer_groups": int}
+# The common integer fields' ranges (component fields declare theirs in their metadata).
+_BOUNDS = {"budget": Bound(1, "tokens"), "interval": Bound(1, "tokens"), "layer_groups": Bound(1, "layers")}
 _CHOICES: dict[str, Mapping[str, type]] = {"allocation": ALLOCATIONS, "trigger": TRIGGERS, "selection": SELECTIONS,
                                            "merge": MERGES}
 _COMPONENT_REGISTRIES = (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS, MERGES)
@@ -90,8 +94,10 @@ def param_field(name: str) -> dataclasses.Field:
     raise KeyError(name)
 
 
-def _check_type(name: str, value: Any, expected: Any) -> Any:
-    """Accept `value` for a field annotated `expected` (int, float, str)."""
+def _check_type(name: str, value: Any, expected: Any, bound: Bound | None = None,
+                limits: EngineLimits | None = None) -> Any:
+    """Accept `value` for a field annotated `expected` (int, float, str),
+    an integer within `bound` (on the engine of `limits`, when known)."""
     if expected in (float, "float") and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     py_type = {"int": int, "float": float, "str": str, "bool": bool}.get(expected, expected)
@@ -103,6 +109,10 @@ def _check_type(name: str, value: Any, expected: Any) -> Any:
         raise _fail(name, f"expected {py_type.__name__}, got {type(value).__name__} {value!r}")
     if py_type is float and not math.isfinite(value):
         raise _fail(name, f"must be a finite number, got {value!r}")
+    if py_type is int and bound is not None:
+        problem = bound.problem(value, limits)
+        if problem is not None:
+            raise _fail(name, problem)
     return value
 
 
@@ -134,8 +144,12 @@ class KVCompressConfig:
     # ------------------------------------------------------------ building
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> KVCompressConfig:
-        """Validate a flat mapping; raise KVCompressConfigError on any mistake."""
+    def from_dict(cls, data: Mapping[str, Any] | None, limits: EngineLimits | None = None) -> KVCompressConfig:
+        """Validate a flat mapping; raise KVCompressConfigError on any mistake.
+
+        `limits`: the engine's, when known (startup checks, requests): every
+        integer is then checked against its range on that engine
+        (`limits.py`); without, against the absolute bound."""
         data = dict(data or {})
         policy = data.pop("policy", "none")
         if policy is None:
@@ -145,7 +159,7 @@ class KVCompressConfig:
         common: dict[str, Any] = {}
         for name, expected in _OPTIONAL_FIELDS.items():
             value = data.pop(name, None)
-            common[name] = None if value is None else _check_type(name, value, expected)
+            common[name] = None if value is None else _check_type(name, value, expected, _BOUNDS.get(name), limits)
             if name in _CHOICES and common[name] is not None and common[name] not in _CHOICES[name]:
                 raise _fail(name, f"unknown {name} {common[name]!r}; valid values: {sorted(_CHOICES[name])}")
         if common["trigger"] is None and data.get("prompt_chunk") is not None:
@@ -167,7 +181,8 @@ class KVCompressConfig:
                 f"{_describe({name: common[name] for name in COMPONENT_FIELDS})}; valid fields: "
                 f"{list(COMMON_FIELDS) + sorted(params)}",
             )
-        typed = {k: _check_type(k, v, params[k].type) for k, v in data.items() if v is not None}
+        typed = {k: _check_type(k, v, params[k].type, field_bound(params[k].metadata), limits)
+                 for k, v in data.items() if v is not None}
         config = cls(policy=policy, params=typed, **common)
         config.validate()
         return config
@@ -195,7 +210,8 @@ class KVCompressConfig:
                     and v and not Path(v).is_absolute() else v for k, v in data.items()}
         return cls.from_dict(data)
 
-    def merged(self, overrides: Mapping[str, Any], startup: bool = False) -> KVCompressConfig:
+    def merged(self, overrides: Mapping[str, Any], startup: bool = False,
+               limits: EngineLimits | None = None) -> KVCompressConfig:
         """This config with `overrides` applied (e.g. a request's extra_args).
 
         Switching policy drops the old policy's parameters and component
@@ -242,7 +258,11 @@ class KVCompressConfig:
             names = [out.get(c) if _is_name_in(out.get(c), _CHOICES[c]) else None for c in COMPONENT_FIELDS]
             fields = composition_params(out["policy"], *names)
             out.update({name: value for name, value in fixed.items() if name in fields and name not in out})
-        return KVCompressConfig.from_dict(out)
+        return KVCompressConfig.from_dict(out, limits)
+
+    def check_limits(self, limits: EngineLimits) -> None:
+        """Raise KVCompressConfigError for a value out of its range on this engine."""
+        KVCompressConfig.from_dict(self.to_dict(), limits)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy}
@@ -421,7 +441,22 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | 
         raise _fail("policy", f"expected a policy name or an object, got {type(nested).__name__} {nested!r}")
     prefix = CONFIG_KEY + "_"
     for key, value in extra_args.items():
-        if key.startswith(prefix):
-            name = key[len(prefix):]
-            out[FIELD_ALIASES.get(name, name)] = value
+        if not isinstance(key, str) or key == CONFIG_KEY or not _LOOKS_OURS.match(key):
+            continue  # another plugin's argument
+        name = key[len(prefix):] if key.startswith(prefix) else ""
+        if not name.isidentifier():
+            # A near miss ("kv_compress.budget", "kv-compress-budget") would
+            # otherwise be ignored, and the request would run with settings
+            # its client did not ask for.
+            raise _fail(_field_name(key), f"unknown per-request key; valid keys: {CONFIG_KEY!r} (a policy name, "
+                                          f"or an object of fields) and flat '{prefix}<field>' keys, e.g. "
+                                          f"'{prefix}budget'")
+        name = FIELD_ALIASES.get(name, name)
+        if name in out:
+            raise _fail(name, f"given twice (as {key!r} and inside {CONFIG_KEY!r})")
+        out[name] = value
     return out or None
+
+
+# Keys that look like this plugin's, whatever their case and separators.
+_LOOKS_OURS = re.compile(r"kv\W*_*\W*compress", re.IGNORECASE)

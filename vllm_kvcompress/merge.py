@@ -34,6 +34,8 @@ from typing import ClassVar
 
 import torch
 
+from .limits import bounded
+
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values
 
 # Below this angle the two directions are treated as one: SLERP divides by sin(omega).
@@ -85,9 +87,9 @@ class MiniCache(Merge):
     name = "minicache"
     merges = True
 
-    start_layer: int = field(default=-1, metadata={
-        "help": "minicache: first layer of the first merged pair (-1: half the depth); pairs (l, l + 1) "
-                "from there up"})
+    start_layer: int = field(default=-1, metadata=bounded(
+        -1, "pair_start", help="minicache: first layer of the first merged pair (-1: half the depth); pairs (l, l + 1) "
+                "from there up"))
     t: float = field(default=0.6, metadata={"help": "minicache: SLERP weight of the upper layer's direction"})
     retain_ratio: float = field(default=0.05, metadata={
         "help": "minicache: fraction of a pair's tokens kept exact per KV head and tensor (largest angle)"})

@@ -21,6 +21,7 @@ from .triggers import Trigger
 
 PLAN_ATTR = "kv_compress_plan"  # the StepPlan's attribute on vLLM's SchedulerOutput
 BUDGETS_ATTR = "kv_compress_layer_budgets"  # list[ReportedBudgets] on vLLM's ModelRunnerOutput
+FAILED_ATTR = "kv_compress_failed"  # list[str] on ModelRunnerOutput: requests whose compression raised
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,9 @@ class StepPlan:
     compactions: list[Compaction] = field(default_factory=list)
     # logical - physical length per KV cache group of every scheduled request with a state.
     evicted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Some scheduled request has a plan: the workers may run compression code
+    # (and, under tensor parallelism, gather their failures at the step's end).
+    compressing: bool = False
 
 
 @dataclass(frozen=True)

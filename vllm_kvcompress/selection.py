@@ -22,6 +22,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from .limits import bounded
+
 
 @dataclass(frozen=True)
 class Selection:
@@ -52,10 +54,10 @@ def _chronological(x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tens
 class SpanCarry(Selection):
     name = "span"
 
-    span: int = field(default=8, metadata={"help": "span: a token's score is the largest of itself and the "
-                                                   "span - 1 tokens before it"})
-    sink_tokens: int = field(default=0, metadata={"help": "span: the first tokens are kept and start no span "
-                                                          "(attention sinks)"})
+    span: int = field(default=8, metadata=bounded(
+        1, "tokens", help="span: a token's score is the largest of itself and the span - 1 tokens before it"))
+    sink_tokens: int = field(default=0, metadata=bounded(
+        0, "tokens", help="span: the first tokens are kept and start no span (attention sinks)"))
 
     def validate(self) -> None:
         if self.span < 1:
@@ -80,7 +82,8 @@ class ChunkSelection(Selection):
     name = "chunk"
     comparable_across_heads = False  # the adjusted scores are ranks within a head
 
-    chunk_length: int = field(default=10, metadata={"help": "chunk: tokens per chunk, kept or evicted whole"})
+    chunk_length: int = field(default=10, metadata=bounded(1, "tokens",
+                                                           help="chunk: tokens per chunk, kept or evicted whole"))
 
     def validate(self) -> None:
         if self.chunk_length < 1:

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .limits import bounded
+
 
 @dataclass(frozen=True)
 class Trigger:
@@ -47,9 +49,9 @@ class Streamed(Trigger):
     name = "streamed"
     rolling = True
 
-    prompt_chunk: int = field(default=128, metadata={
-        "help": "streamed: evict every this many prefilled prompt tokens, so a request holds at most "
-                "budget + prompt_chunk tokens while prefilling"})
+    prompt_chunk: int = field(default=128, metadata=bounded(
+        1, "tokens", help="streamed: evict every this many prefilled prompt tokens, so a request holds at most "
+                          "budget + prompt_chunk tokens while prefilling"))
 
     def validate(self) -> None:
         if self.prompt_chunk < 1:

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from ..limits import bounded
 from ..sharding import ONE_DEVICE, HeadShard
 
 
@@ -120,7 +121,7 @@ class Scorer:
 class KeepsRecent(Scorer):
     """A scorer that always keeps the `window` newest tokens."""
 
-    window: int = field(default=0, metadata={"help": "newest tokens always kept"})
+    window: int = field(default=0, metadata=bounded(0, "tokens", help="newest tokens always kept"))
 
     def validate(self) -> None:
         check_at_least("window", self.window, 0)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.reference import reduce_gqa
+from ..limits import bounded
 from .base import KeepsRecent, LogitsNoise, Observation, Observe, hash_uniform
 
 
@@ -16,10 +17,10 @@ class Keyformer(KeepsRecent):
     observe = Observe.ALL
     noisy = True
 
-    window: int = field(default=32, metadata={"help": "newest tokens always kept"})
+    window: int = field(default=32, metadata=bounded(0, "tokens", help="newest tokens always kept"))
     tau_init: float = field(default=1.0, metadata={"help": "initial softmax temperature"})
     delta_tau: float = field(default=0.01, metadata={"help": "temperature increase per compression"})
-    seed: int = field(default=0, metadata={"help": "seed of the Gumbel noise"})
+    seed: int = field(default=0, metadata=bounded(0, "seed", help="seed of the Gumbel noise"))
 
     def validate(self) -> None:
         super().validate()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..limits import bounded
 from .base import KeepsRecent, Observation, hash_uniform
 
 
@@ -13,7 +14,7 @@ from .base import KeepsRecent, Observation, hash_uniform
 class Random(KeepsRecent):
     name = "random"
 
-    seed: int = field(default=0, metadata={"help": "seed of the random scores"})
+    seed: int = field(default=0, metadata=bounded(0, "seed", help="seed of the random scores"))
 
     def score(self, obs: Observation) -> torch.Tensor:
         heads = (torch.arange(obs.num_kv_heads) + obs.first_kv_head).view(-1, 1)

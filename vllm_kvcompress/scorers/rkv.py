@@ -28,8 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.reference import reduce_gqa
+from ..limits import bounded
 from .base import KeepsObservationWindow, Observation, Observe
 from .snapkv import pool_before_window
+
+# Most elements of the similarity matrix materialised at once (rows of it).
+REDUNDANCY_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -38,9 +42,9 @@ class RKV(KeepsObservationWindow):
     observe = Observe.RECENT
     needs_keys = True
 
-    window: int = field(default=8, metadata={
-        "help": "rkv: observation window, the last queries before each compression (always kept)"})
-    kernel_size: int = field(default=7, metadata={"help": "pooling kernel over token scores"})
+    window: int = field(default=8, metadata=bounded(
+        1, "tokens", help="rkv: observation window, the last queries before each compression (always kept)"))
+    kernel_size: int = field(default=7, metadata=bounded(1, "tokens", help="pooling kernel over token scores"))
     mix_lambda: float = field(default=0.07, metadata={
         "help": "rkv: weight of importance against redundancy (score = l * I - (1 - l) * R)"})
     threshold: float = field(default=0.5, metadata={
@@ -72,12 +76,21 @@ class RKV(KeepsObservationWindow):
         """[n] R over n candidate tokens of one head: keys [n, D], logical positions [n]."""
         unit = keys.float()
         unit = unit / (unit.norm(dim=-1, keepdim=True) + 1e-8)
-        sim = unit @ unit.T
-        sim.fill_diagonal_(0.0)
-        duplicate = sim > self.threshold
-        # Each token's most recent near-duplicate (by logical position: after a
-        # compaction the physical order is not chronological) is forgotten.
-        newest = torch.where(duplicate, positions.view(1, -1), -1).argmax(dim=1)
-        rows = duplicate.any(dim=1).nonzero().flatten()
-        sim[rows, newest[rows]] = 0.0
-        return sim.mean(dim=0).softmax(dim=0)
+        n = unit.shape[0]
+        column_sums = torch.zeros(n, dtype=torch.float32, device=unit.device)
+        # S is n x n: a block of rows at a time, so the scratch stays within
+        # REDUNDANCY_ELEMENTS whatever the budget and interval (a long
+        # generation's cache would otherwise ask for n**2 floats at once).
+        step = max(1, REDUNDANCY_ELEMENTS // max(n, 1))
+        for start in range(0, n, step):
+            sim = unit[start : start + step] @ unit.T
+            rows = torch.arange(sim.shape[0], device=unit.device)
+            sim[rows, rows + start] = 0.0
+            duplicate = sim > self.threshold
+            # Each token's most recent near-duplicate (by logical position: after a
+            # compaction the physical order is not chronological) is forgotten.
+            newest = torch.where(duplicate, positions.view(1, -1), -1).argmax(dim=1)
+            has = duplicate.any(dim=1).nonzero().flatten()
+            sim[has, newest[has]] = 0.0
+            column_sums += sim.sum(dim=0)
+        return (column_sums / n).softmax(dim=0)

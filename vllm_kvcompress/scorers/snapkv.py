@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.reference import pool_scores, reduce_gqa
+from ..limits import bounded
 from .base import KeepsObservationWindow, Observation, Observe, check_choice
 
 POOLINGS = ("avg", "max")
@@ -18,9 +19,9 @@ class SnapKV(KeepsObservationWindow):
     name = "snapkv"
     observe = Observe.WINDOW
 
-    window: int = field(default=32, metadata={
-        "help": "observation window: last prompt queries, kept (see kept_window)"})
-    kernel_size: int = field(default=5, metadata={"help": "pooling kernel over token scores"})
+    window: int = field(default=32, metadata=bounded(
+        1, "tokens", help="observation window: last prompt queries, kept (see kept_window)"))
+    kernel_size: int = field(default=5, metadata=bounded(1, "tokens", help="pooling kernel over token scores"))
     pooling: str = field(default="avg", metadata={"help": "pooling kind", "choices": POOLINGS})
     gqa_reduce: str = field(default="mean", metadata={
         "help": "how a GQA group's query heads are reduced", "choices": GQA_REDUCTIONS})
@@ -28,9 +29,9 @@ class SnapKV(KeepsObservationWindow):
     # the answer prefix pick the tokens it asks about, while its own tokens
     # compete for the budget on their scores. On SmolLM2-135M's suite at an
     # eighth of the prompt it kept less than the default (README, Quality).
-    kept_window: int = field(default=-1, metadata={
-        "help": "snapkv: the newest window tokens always kept (-1: the whole window); the older "
-                "window tokens are scored like the prefix"})
+    kept_window: int = field(default=-1, metadata=bounded(
+        -1, "tokens", help="snapkv: the newest window tokens always kept (-1: the whole window); the older "
+                "window tokens are scored like the prefix"))
 
     def validate(self) -> None:
         super().validate()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..limits import bounded
 from .base import Observation, Scorer, check_at_least
 
 
@@ -14,7 +15,8 @@ class StreamingLLM(Scorer):
     name = "streamingllm"
     same_in_every_layer = True
 
-    sink_tokens: int = field(default=4, metadata={"help": "first tokens always kept (attention sinks)"})
+    sink_tokens: int = field(default=4, metadata=bounded(0, "tokens",
+                                                         help="first tokens always kept (attention sinks)"))
 
     def validate(self) -> None:
         check_at_least("sink_tokens", self.sink_tokens, 0)

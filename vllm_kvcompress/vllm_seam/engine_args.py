@@ -22,6 +22,7 @@ from ..config import (
     param_field,
     request_overrides,
 )
+from ..limits import EngineLimits
 from ..merge import MERGES
 from ..planner import layer_groups
 from ..registry import POLICIES
@@ -275,8 +276,18 @@ def full_attention_layers(model) -> int | None:
     return num_layers
 
 
+def engine_limits(vllm_config) -> EngineLimits:
+    """What bounds a configuration's integers on this engine (`limits.py`)."""
+    model = vllm_config.model_config
+    num_layers = full_attention_layers(model)
+    if num_layers is None:
+        num_layers = model.get_num_layers(vllm_config.parallel_config)
+    return EngineLimits(max_model_len=model.max_model_len, num_layers=num_layers)
+
+
 def check_model(vllm_config) -> None:
-    """Refuse model kinds whose full-attention layers cannot compress."""
+    """Refuse model kinds whose full-attention layers cannot compress, and
+    values out of their range on this engine."""
     model = vllm_config.model_config
     if model.use_mla:
         raise _refuse("an MLA model (latent KV cache layout)")
@@ -291,7 +302,7 @@ def check_model(vllm_config) -> None:
                       f"hold copies of a head: use a size that divides the KV heads)")
     if vllm_config.use_v2_model_runner:
         raise _refuse("Model Runner V2 (the hooks target the V1 runner; unset VLLM_USE_V2_MODEL_RUNNER)")
-    config = KVCompressConfig.from_dict(vllm_config.additional_config[CONFIG_KEY])
+    config = KVCompressConfig.from_dict(vllm_config.additional_config[CONFIG_KEY], engine_limits(vllm_config))
     try:
         layer_groups(num_layers, config.num_layer_groups)
     except ValueError as e:
@@ -335,6 +346,9 @@ def wrap_validate_params(original):
 
     def _validate_params(self, params, *args, **kwargs):
         result = original(self, params, *args, **kwargs)
+        limits = self.__dict__.get("_kv_compress_limits")
+        if limits is None:
+            limits = self._kv_compress_limits = engine_limits(self.vllm_config)
         if not isinstance(params, SamplingParams):
             return result
         try:
@@ -346,7 +360,7 @@ def wrap_validate_params(original):
                 raise KVCompressConfigError(
                     "kv_compress: this engine was started without kv_compress; start it with "
                     "--kv-compress POLICY (or --kv-compress none) to allow per-request compression")
-            KVCompressConfig.from_dict(engine).merged(overrides)
+            KVCompressConfig.from_dict(engine).merged(overrides, limits=limits)
         except KVCompressConfigError as e:
             raise VLLMValidationError(str(e), parameter=CONFIG_KEY) from None
         return result

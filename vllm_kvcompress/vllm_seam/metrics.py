@@ -88,25 +88,51 @@ class RatioHistogram:
 
 
 class KVCompressCollector:
-    """Prometheus collector summing the engine processes' snapshots."""
+    """Prometheus collector summing the engine processes' snapshots.
+
+    Counters never go back: a snapshot that cannot be read (the folder was
+    replaced by a file, removed, or a file is half gone) keeps its last good
+    values, logged once until reads succeed again, and each counter is
+    reported as at least what it was last scraped at (Prometheus reads a
+    decrease as a counter reset). Gauges read NaN ("unknown") while the
+    folder cannot be read, never 0.
+    """
 
     def __init__(self, folder: str) -> None:
         self.folder = Path(folder)
+        self._last: dict[str, dict] = {}  # file name -> its last good snapshot
+        self._reported: dict[str, float] = {}  # counter -> the last value scraped
+        self._failing = False
 
-    def _snapshots(self, prefix: str) -> list[dict]:
-        out = []
-        for path in self.folder.glob(f"{prefix}-*.json"):
+    def _snapshots(self, prefix: str) -> tuple[list[dict], bool]:
+        """The snapshots of one kind, and whether all of them were read now."""
+        try:
+            names = sorted(p.name for p in self.folder.iterdir() if p.name.startswith(f"{prefix}-")
+                           and p.suffix == ".json")
+            fresh = True
+        except OSError:
+            names, fresh = [], False
+        for name in names:
             try:
-                out.append(json.loads(path.read_text()))
+                self._last[name] = json.loads((self.folder / name).read_text())
             except (OSError, ValueError):
-                continue  # replaced between glob and read
-        return out
+                fresh = False  # replaced between listing and reading: the last good one stands
+        if not fresh and not self._failing:
+            logger.warning("kv_compress: cannot read the metrics snapshots in %s; /metrics keeps the last "
+                           "values read (gauges unknown) until it can", self.folder)
+        self._failing = not fresh
+        return [v for k, v in self._last.items() if k.startswith(f"{prefix}-")], fresh
+
+    def _counter(self, key: str, value: float) -> float:
+        value = max(value, self._reported.get(key, 0.0))
+        self._reported[key] = value
+        return value
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-        sched = self._snapshots("scheduler")
-        workers = self._snapshots("worker")
+        sched, sched_fresh = self._snapshots("scheduler")
+        workers, _ = self._snapshots("worker")
 
         def total(key: str) -> float:
             return sum(s.get(key, 0) for s in sched)
@@ -117,9 +143,12 @@ class KVCompressCollector:
             ("compressions", "Compactions performed"),
             ("requests_compressed", "Requests compressed at least once"),
         ):
-            yield CounterMetricFamily(PREFIX + key, text, value=total(key))
-        yield GaugeMetricFamily(PREFIX + "free_blocks", "Free KV blocks in the pool", value=total("free_blocks"))
-        yield GaugeMetricFamily(PREFIX + "total_blocks", "KV blocks in the pool", value=total("total_blocks"))
+            yield CounterMetricFamily(PREFIX + key, text, value=self._counter(key, total(key)))
+        unknown = float("nan")
+        yield GaugeMetricFamily(PREFIX + "free_blocks", "Free KV blocks in the pool (NaN: unknown now)",
+                                value=total("free_blocks") if sched_fresh else unknown)
+        yield GaugeMetricFamily(PREFIX + "total_blocks", "KV blocks in the pool (NaN: unknown now)",
+                                value=total("total_blocks") if sched_fresh else unknown)
         hist = HistogramMetricFamily(
             PREFIX + "request_compression_ratio",
             "Per finished compressed request: fraction of its tokens evicted (kvpress convention)")
@@ -134,7 +163,7 @@ class KVCompressCollector:
         yield hist
         seconds = CounterMetricFamily(PREFIX + "seconds", "Worker time spent on compression", labels=["phase"])
         for phase in ("scoring", "compaction"):
-            seconds.add_metric([phase], sum(w.get(phase, 0.0) for w in workers))
+            seconds.add_metric([phase], self._counter(f"seconds:{phase}", sum(w.get(phase, 0.0) for w in workers)))
         yield seconds
 
 

@@ -19,11 +19,21 @@ import logging
 import os
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
 from ..accounting import CompressionStats
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
-from ..plan import BUDGETS_ATTR, PLAN_ATTR, Compaction, ReportedBudgets, StartedRequest, StepPlan, resolve_plan
+from ..plan import (
+    BUDGETS_ATTR,
+    FAILED_ATTR,
+    PLAN_ATTR,
+    Compaction,
+    ReportedBudgets,
+    StartedRequest,
+    StepPlan,
+    resolve_plan,
+)
 from ..planner import RequestState
 from .block_manager import CompressedAttentionManager
 from .groups import CompressedLayers
@@ -60,6 +70,11 @@ class KVCompressScheduler(Scheduler):
             kv_cache_groups=tuple("compressed" if g in self.kvc_layers.vllm_groups else _kind(group.kv_cache_spec)
                                   for g, group in enumerate(groups)))
         self._kvc_started: dict[str, StartedRequest] = {}
+        # Requests whose compression raised (here, or in a worker: FAILED_ATTR)
+        # are finished with an error at the step's output; those finished
+        # before the step was scheduled wait there for their error output.
+        self._kvc_failed: dict[str, str] = {}
+        self._kvc_errors: list[tuple[str, int]] = []
         self._kvc_snapshot = SnapshotWriter("scheduler")
         self._kvc_ratios = RatioHistogram()  # finished compressed requests, for /metrics
         managers = self.kv_cache_manager.coordinator.single_type_managers
@@ -103,8 +118,13 @@ class KVCompressScheduler(Scheduler):
             # recomputes prompt and outputs in chunks that end at its first
             # life's compression points (`tokens_until_due`): same tokens kept.
             cached = cached_len or 0
-            plan = resolve_plan(config, request.num_prompt_tokens, len(self.kvc_group_of_layer),
-                                self.kvc_block_size, cached_len=cached)
+            try:
+                plan = resolve_plan(config, request.num_prompt_tokens, len(self.kvc_group_of_layer),
+                                    self.kvc_block_size, cached_len=cached)
+            except Exception as e:  # noqa: BLE001 - one request's plan, never the engine
+                # It runs uncompressed until this step's output, then finishes with an error.
+                self._kvc_fail(rid, "planning", e)
+                plan = None
             if plan is not None and cached and plan.allocation.per_head:
                 # Head budgets cannot honour a protected start: this request runs uncompressed.
                 logger.warning("kv_compress %s: runs uncompressed: allocation 'per_head' cannot keep its %d "
@@ -136,35 +156,48 @@ class KVCompressScheduler(Scheduler):
 
     def _plan_compressions(self) -> list[Compaction]:
         ops = []
-        pool = self.kv_cache_manager.block_pool
-        for request in self.running:
-            rid = request.request_id
-            state = self._request_state(request)
-            logical = request.num_computed_tokens
-            prefill_checked = state.prefill_checked
-            targets = state.next_compression(logical)
-            if targets is None:
+        for request in list(self.running):
+            try:
+                op = self._plan_compression(request)
+            except Exception as e:  # noqa: BLE001 - one request's compaction, never the engine
+                # Its blocks may be half compacted: it leaves before this step is scheduled.
+                self._kvc_fail(request.request_id, "compaction planning", e)
+                for finished in self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR):
+                    self._kvc_errors.append((finished.request_id, finished.client_index))
                 continue
-            protected = state.plan.protected_len if state.plan is not None else 0
-            copies = [m.copies_needed(rid, t, protected) for m, t in zip(self._kvc_managers, targets)]
-            if None in copies or sum(c or 0 for c in copies) > pool.get_num_free_blocks():
-                # Blocks shared through the prefix cache, and no room to copy
-                # them: the compaction waits for the next step.
-                state.prefill_checked = prefill_checked
-                logger.warning("kv_compress %s: compaction postponed: its blocks are in the prefix cache and "
-                               "the pool has no room to copy them", rid)
-                continue
-            old = state.physical(logical)
-            freed = held = 0
-            copied = []
-            for manager, target, copy in zip(self._kvc_managers, targets, copies):
-                f, h, c = manager.compact(rid, logical, target, protected, bool(copy))
-                freed, held = freed + f, held + h
-                copied.append(c)
-            state.commit(logical, targets)
-            self.kvc_stats.compressed(rid, old, targets, freed, held)
-            ops.append(Compaction(rid, old, targets, tuple(copied) if any(copied) else ()))
+            if op is not None:
+                ops.append(op)
         return ops
+
+    def _plan_compression(self, request) -> Compaction | None:
+        """The request's compaction in this step (None: none is due)."""
+        pool = self.kv_cache_manager.block_pool
+        rid = request.request_id
+        state = self._request_state(request)
+        logical = request.num_computed_tokens
+        prefill_checked = state.prefill_checked
+        targets = state.next_compression(logical)
+        if targets is None:
+            return None
+        protected = state.plan.protected_len if state.plan is not None else 0
+        copies = [m.copies_needed(rid, t, protected) for m, t in zip(self._kvc_managers, targets)]
+        if None in copies or sum(c or 0 for c in copies) > pool.get_num_free_blocks():
+            # Blocks shared through the prefix cache, and no room to copy
+            # them: the compaction waits for the next step.
+            state.prefill_checked = prefill_checked
+            logger.warning("kv_compress %s: compaction postponed: its blocks are in the prefix cache and "
+                           "the pool has no room to copy them", rid)
+            return None
+        old = state.physical(logical)
+        freed = held = 0
+        copied = []
+        for manager, target, copy in zip(self._kvc_managers, targets, copies):
+            f, h, c = manager.compact(rid, logical, target, protected, bool(copy))
+            freed, held = freed + f, held + h
+            copied.append(c)
+        state.commit(logical, targets)
+        self.kvc_stats.compressed(rid, old, targets, freed, held)
+        return Compaction(rid, old, targets, tuple(copied) if any(copied) else ())
 
     def schedule(self, *args, **kwargs):
         ops = self._plan_compressions()
@@ -184,7 +217,9 @@ class KVCompressScheduler(Scheduler):
             for rid in output.num_scheduled_tokens
             if rid in self.kvc_states
         }
-        setattr(output, PLAN_ATTR, StepPlan(started=started, compactions=ops, evicted=evicted))
+        compressing = any(self.kvc_states[rid].plan is not None for rid in evicted)
+        setattr(output, PLAN_ATTR, StepPlan(started=started, compactions=ops, evicted=evicted,
+                                            compressing=compressing))
         if ops:
             self._write_snapshot()
         return output
@@ -193,11 +228,35 @@ class KVCompressScheduler(Scheduler):
         # Budgets decided from a prompt's attention (adaptive, per_head): the
         # request compresses to them when the next step is planned.
         reported: list[ReportedBudgets] = getattr(model_runner_output, BUDGETS_ATTR, None) or []
+        failed = set(getattr(model_runner_output, FAILED_ATTR, None) or ()) | set(self._kvc_failed)
+        self._kvc_failed.clear()
         for report in reported:
             state = self.kvc_states.get(report.request_id)
-            if state is not None:
+            if state is not None and report.request_id not in failed:
                 state.set_layer_budgets(report.layer_budgets)
-        return super().update_from_output(scheduler_output, model_runner_output)
+        if failed and model_runner_output.sampled_token_ids:
+            # A failed request's token of this step came from a cache its
+            # compression left unusable: it is not emitted.
+            index = model_runner_output.req_id_to_index
+            dropped = {index[rid] for rid in failed if rid in index}
+            model_runner_output.sampled_token_ids = [[] if i in dropped else list(t) for i, t in
+                                                     enumerate(model_runner_output.sampled_token_ids)]
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        errors, self._kvc_errors = self._kvc_errors, []
+        if failed:
+            errors += [(r.request_id, r.client_index)
+                       for r in self.finish_requests(failed, RequestStatus.FINISHED_ERROR)]
+        for rid, client in errors:
+            # What vLLM sends for its own per-request errors: the client's
+            # request ends with finish_reason "error" (HTTP 500 for that request).
+            outputs.setdefault(client, EngineCoreOutputs()).outputs.append(
+                EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR))
+        return outputs
+
+    def _kvc_fail(self, rid: str, what: str, error: BaseException) -> None:
+        logger.error("kv_compress %s: %s failed (%s: %s); the request finishes with an error, the others go on",
+                     rid, what, type(error).__name__, error, exc_info=error)
+        self._kvc_failed[rid] = what
 
     def _get_local_prefix_cache_hit(self, request):
         hit = super()._get_local_prefix_cache_hit(request)

@@ -13,6 +13,7 @@ Per step, around vLLM's V1 GPUModelRunner (also the CPU runner's base):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -27,13 +28,22 @@ from ..cache_layout import LAYOUTS, KVViews
 from ..compression import MergedUpper, RequestCompression, score_bytes_per_kv_byte
 from ..config import CONFIG_KEY, KVCompressConfig
 from ..kernels import get_ops
-from ..plan import BUDGETS_ATTR, PLAN_ATTR, Compaction, ReportedBudgets, StepPlan
+from ..plan import BUDGETS_ATTR, FAILED_ATTR, PLAN_ATTR, Compaction, ReportedBudgets, StepPlan
 from ..planner import cdiv
 from ..sharding import ONE_DEVICE, HeadShard
 from .groups import CompressedLayers, layer_index
 from .metrics import SnapshotWriter
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
+
+# A test hook (tests/test_reliability.py): the compaction of a request whose
+# prompt has this many tokens raises, as a bug or a failed allocation would.
+FAULT_ENV = "VLLM_KVCOMPRESS_FAIL_PROMPT_LEN"
+
+
+class InjectedFault(RuntimeError):
+    """The failure FAULT_ENV asks for."""
+
 
 # Scratch bounds, in elements: the per-head masked pass materialises at most
 # MASK_ELEMENTS of a prompt chunk's [Hq, n, S] mask (bool) and attention
@@ -171,7 +181,8 @@ class StepObservation:
         rows = output.view(output.shape[0], -1)
         rows[batch.token_idx] = out.reshape(len(batch.requests), -1).to(rows.dtype)
         for i, r in enumerate(batch.requests):
-            r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
+            with worker.isolated(r.request_id, "decode scoring"):
+                r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
         worker.seconds["scoring"] += time.perf_counter() - start
 
     def mask_heads(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
@@ -194,6 +205,8 @@ class StepObservation:
         scale, hq = worker.scales[layer], query.shape[1]
         decoding = []
         for r in self.masked:
+            if r.request_id in worker.failed:
+                continue
             q_phys, seq_len, block_ids = r.q_physical[group], r.seq_lens[group], r.block_ids[group]
             dead = r.state.dead_slots(layer, seq_len)
             if dead is None:
@@ -250,7 +263,7 @@ class StepObservation:
         upper_keys, upper_values = worker.views(kv_cache)
         for r in self.merged:
             m = r.state.merged.get(layer)
-            if m is None:
+            if m is None or r.request_id in worker.failed:
                 continue
             lower_keys, lower_values = worker.views(worker.layers[m.lower].kv_cache)
             g_lo, g_up = worker.group_of_layer[m.lower], worker.group_of_layer[layer]
@@ -280,17 +293,20 @@ class StepObservation:
                 q, batch.cu_q_lens, keys, batch.block_tables, batch.seq_lens, batch.q_positions,
                 worker.scales[layer], max_seq_len=batch.max_seq_len, max_q_len=batch.max_q_len)
             for i, r in enumerate(batch.requests):
-                r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
+                with worker.isolated(r.request_id, "scoring"):
+                    r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
         for r in self.observed:
-            if r.state.noisy:
-                self._observe_noisy(r, layer, group, query, keys)
+            if r.state.noisy and r.request_id not in worker.failed:
+                with worker.isolated(r.request_id, "noisy scoring"):
+                    self._observe_noisy(r, layer, group, query, keys)
         worker.seconds["scoring"] += time.perf_counter() - start
         self.layers_seen += 1
         if self.layers_seen == worker.num_layers:
             set_active(None)  # a later warm-up or dummy run must not observe
             for r in self.observed:
-                if r.state.reports_budgets(r.q_logical):
-                    worker.reported.append(ReportedBudgets(r.request_id, r.state.attention_budgets()))
+                if r.request_id not in worker.failed and r.state.reports_budgets(r.q_logical):
+                    with worker.isolated(r.request_id, "layer budgets"):
+                        worker.reported.append(ReportedBudgets(r.request_id, r.state.attention_budgets()))
             worker.snapshot.write(worker.seconds)
 
     def _observe_noisy(self, r: StepRequest, layer: int, group: int, query: torch.Tensor, keys: torch.Tensor) -> None:
@@ -439,6 +455,22 @@ def check_scoring_exact(layer) -> None:
                                f"its scores would not be the model's attention")
 
 
+def gather_failed(failed: list[str]) -> list[str]:
+    """The union of every tensor-parallel rank's failed requests (a count
+    first, over the ranks' CPU group: the ids travel only when there are some)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group().cpu_group
+    count = torch.tensor([len(failed)])
+    dist.all_reduce(count, group=group)
+    if not int(count):
+        return failed
+    everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, failed, group=group)
+    return sorted({rid for ids in everyone for rid in ids or ()})
+
+
 def tensor_parallel_shard() -> HeadShard:
     """This worker's heads among vLLM's tensor-parallel ranks (a slice of every layer's)."""
     from vllm.distributed import (
@@ -526,6 +558,43 @@ class WorkerCompression:
         self.reported: list[ReportedBudgets] = []
         self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
         self.snapshot = SnapshotWriter("worker")
+        # Requests whose compression raised in this step -> why: each fails
+        # alone (the scheduler finishes it with an error), the others go on.
+        self.failed: dict[str, str] = {}
+        self.compressing = False  # this step runs requests with a plan (the same on every rank)
+        fault = os.environ.get(FAULT_ENV, "")
+        self.fault_prompt_len = int(fault) if fault.isdigit() else None
+
+    # ------------------------------------------------------------ failures
+
+    @contextlib.contextmanager
+    def isolated(self, request_id: str, what: str):
+        """One request's compression work: whatever it raises fails that
+        request alone (its state is dropped, the scheduler finishes it with
+        an error) and the step goes on for the others. Batched ops over
+        several requests are not run inside: their sizes are checked and their
+        scratch bounded by construction (README, Reliability)."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any failure of one request's compression
+            self.fail(request_id, what, e)
+
+    def fail(self, request_id: str, what: str, error: BaseException) -> None:
+        if request_id in self.failed:
+            return
+        logger.error("kv_compress %s: %s failed (%s: %s); the request finishes with an error, the others go on",
+                     request_id, what, type(error).__name__, error, exc_info=error)
+        self.failed[request_id] = f"{what}: {type(error).__name__}: {error}"
+        self.states.pop(request_id, None)
+
+    def take_failed(self) -> list[str]:
+        """This step's failed requests, over every tensor-parallel rank (a
+        failure on one rank alone, say a device allocation, fails the request
+        everywhere); called by every rank at the end of a step."""
+        failed, self.failed = sorted(self.failed), {}
+        if self.shard.size > 1 and self.compressing:
+            failed = gather_failed(failed)
+        return failed
 
     # ------------------------------------------------------------ _update_states
 
@@ -537,11 +606,13 @@ class WorkerCompression:
             self.states.pop(rid, None)
         for rid in getattr(so, "preempted_req_ids", None) or ():
             self.states.pop(rid, None)
+        self.compressing = plan.compressing
         for started in plan.started:
             self.states.pop(started.request_id, None)
             if started.plan is not None:
-                self.states[started.request_id] = RequestCompression(
-                    started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard, self.device)
+                with self.isolated(started.request_id, "start"):
+                    self.states[started.request_id] = RequestCompression(
+                        started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard, self.device)
         if plan.compactions:
             start = time.perf_counter()
             self.compact(plan.compactions)
@@ -559,15 +630,26 @@ class WorkerCompression:
         followed by the originals, and every kept token past the protected
         start is read from the originals (indices shifted past the fresh ones).
         """
-        states = [self.states[c.request_id] for c in compactions]
+        # A request whose compression fails leaves the batch for the layers
+        # still to come (its cache is then unusable: the scheduler finishes
+        # it with an error); its block table is still cut as the scheduler
+        # planned, since those blocks are back in the pool.
+        states: list[RequestCompression | None] = [self.states.get(c.request_id) for c in compactions]
         group_ids = [[self.runner.requests[c.request_id].block_ids[vg] for vg in self.vllm_groups]
                      for c in compactions]
-        for c, state in zip(compactions, states):
-            for layer in range(self.num_layers):
-                if state.num_tokens(layer) != c.old_lengths[self.group_of_layer[layer]]:
-                    raise RuntimeError(
-                        f"kv_compress: request {c.request_id} layer {layer} tracks {state.num_tokens(layer)} "
-                        f"tokens, scheduler says {c.old_lengths[self.group_of_layer[layer]]}")
+        for i, c in enumerate(compactions):
+            state = states[i]
+            with self.isolated(c.request_id, "compaction"):
+                if state is None:
+                    raise RuntimeError("no compression state")
+                if self.fault_prompt_len is not None and state.plan.prompt_len == self.fault_prompt_len:
+                    raise InjectedFault(f"{FAULT_ENV}={self.fault_prompt_len}")
+                for layer in range(self.num_layers):
+                    if state.num_tokens(layer) != c.old_lengths[self.group_of_layer[layer]]:
+                        raise RuntimeError(
+                            f"layer {layer} tracks {state.num_tokens(layer)} tokens, scheduler says "
+                            f"{c.old_lengths[self.group_of_layer[layer]]}")
+        live = [c.request_id not in self.failed for c in compactions]
         device = self.device
         bs = self.block_size
         tables, op_tables = {}, {}
@@ -588,20 +670,26 @@ class WorkerCompression:
             op_tables[g] = tables[g] if not any(k[1] == g for k in copied) else _padded(op_rows, device)
         # MiniCache pairs merge at their first compaction: both layers of a
         # pair leave the batched op, and are written once both are selected.
-        merging = [{layer for pair in state.lower_of.items() for layer in pair} if not state.merged else set()
-                   for state in states]
+        merging = [{layer for pair in state.lower_of.items() for layer in pair} if state and not state.merged
+                   else set() for state in states]
         lower_kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(self.num_layers):
             g = self.group_of_layer[layer]
             keys, values = self.views(self.layers[layer].kv_cache)
-            # Scorers that read the cached keys (R-KV's redundancy) get them dense.
-            keeps = [state.select(layer, c.new_lengths[g],
-                                  self.ops.gather_dense(keys, tables[g][i], c.old_lengths[g])
-                                  if state.scorer.needs_keys else None)
-                     for i, (c, state) in enumerate(zip(compactions, states))]
-            batch = [i for i in range(len(keeps)) if layer not in merging[i]]
+            keeps: list[torch.Tensor | None] = [None] * len(compactions)
+            for i, (c, state) in enumerate(zip(compactions, states)):
+                if not live[i] or state is None:
+                    continue
+                with self.isolated(c.request_id, "selection"):
+                    # Scorers that read the cached keys (R-KV's redundancy) get them dense.
+                    dense = self.ops.gather_dense(keys, tables[g][i], c.old_lengths[g]) \
+                        if state.scorer.needs_keys else None
+                    keeps[i] = state.select(layer, c.new_lengths[g], dense)
+                live[i] = keeps[i] is not None
+            selected = {i: k for i, k in enumerate(keeps) if k is not None and live[i] and layer not in merging[i]}
+            batch = list(selected)
             if batch:
-                op_keeps = [_copy_indices(keeps[i], *copied[i, g]) if (i, g) in copied else keeps[i] for i in batch]
+                op_keeps = [_copy_indices(k, *copied[i, g]) if (i, g) in copied else k for i, k in selected.items()]
                 width = max(k.shape[1] for k in op_keeps)
                 keep_idx = torch.zeros(len(op_keeps), self.num_kv_heads, width, dtype=torch.int64)
                 for j, k in enumerate(op_keeps):
@@ -610,20 +698,26 @@ class WorkerCompression:
                 table = op_tables[g] if len(batch) == len(keeps) else op_tables[g][upload(torch.tensor(batch), device)]
                 self.ops.compact_kv_batched(keys, values, table, upload(keep_idx, device), upload(counts, device))
             for i in range(len(keeps)):
-                if layer not in merging[i]:
+                keep, state = keeps[i], states[i]
+                if not live[i] or keep is None or state is None:
                     continue
-                kept = (_kept_dense(self.ops, keys, tables[g][i], compactions[i].old_lengths[g], keeps[i]),
-                        _kept_dense(self.ops, values, tables[g][i], compactions[i].old_lengths[g], keeps[i]))
-                lower = states[i].lower_of.get(layer)
-                if lower is None:
-                    lower_kept[i, layer] = kept
-                else:
-                    self._merge_pair(compactions[i], states[i], lower, layer, lower_kept.pop((i, lower)), kept,
-                                     group_ids[i])
-            for state, k in zip(states, keeps):
-                state.compact(layer, k)
-        for c, state, ids in zip(compactions, states, group_ids):
-            state.finish_compaction()
+                with self.isolated(compactions[i].request_id, "compaction"):
+                    if layer in merging[i]:
+                        old = compactions[i].old_lengths[g]
+                        kept = (_kept_dense(self.ops, keys, tables[g][i], old, keep),
+                                _kept_dense(self.ops, values, tables[g][i], old, keep))
+                        lower = state.lower_of.get(layer)
+                        if lower is None:
+                            lower_kept[i, layer] = kept
+                        else:
+                            self._merge_pair(compactions[i], state, lower, layer, lower_kept.pop((i, lower)), kept,
+                                             group_ids[i])
+                    state.compact(layer, keep)
+                live[i] = compactions[i].request_id not in self.failed
+        for i, (c, state, ids) in enumerate(zip(compactions, states, group_ids)):
+            if live[i] and state is not None:
+                with self.isolated(c.request_id, "compaction"):
+                    state.finish_compaction()
             row = self.runner.input_batch.req_id_to_index.get(c.request_id)
             for g, new_len in enumerate(c.new_lengths):
                 copy = c.copies[g] if c.copies else None
@@ -715,24 +809,32 @@ class WorkerCompression:
             state = self.states.get(rid)
             if state is None:
                 continue
-            sl = slice(int(starts[i]), int(starts[i]) + int(num_scheduled_tokens[i]))
-            q_log = positions_host[sl]
-            state.append(q_log)
-            observed = state.observed(q_log)
-            masked = any(d is not None for d in state.dead)
-            if observed.any():
-                request = self._step_request(rid, state, sl, observed, q_log, physical_host)
-                step.observed.append(request)
-                # One query observed with a plain softmax: it sees every
-                # cached slot, so its attention and its scores are one pass.
-                if len(q_log) == 1 and not state.noisy and not masked and not state.merged:
-                    step.fused.append(request)
-                    step.fused_rows.append(i)
-            if masked:
-                step.masked.append(self._step_request(rid, state, sl, slice(None), q_log, physical_host))
-            if state.merged:
-                step.merged.append(self._step_request(rid, state, sl, slice(None), q_log, physical_host))
+            with self.isolated(rid, "observation"):
+                self._observe_request(step, i, rid, state, slice(int(starts[i]), int(starts[i]) +
+                                                                 int(num_scheduled_tokens[i])),
+                                      positions_host, physical_host)
         return step if step.observed or step.masked or step.merged else None
+
+    def _observe_request(self, step: StepObservation, i: int, rid: str, state: RequestCompression, sl: slice,
+                         positions_host: torch.Tensor, physical_host: list[torch.Tensor]) -> None:
+        """Request i (rows `sl` of the step) into the step's observed, fused,
+        masked and merged lists, as its state asks."""
+        q_log = positions_host[sl]
+        state.append(q_log)
+        observed = state.observed(q_log)
+        masked = any(d is not None for d in state.dead)
+        if observed.any():
+            request = self._step_request(rid, state, sl, observed, q_log, physical_host)
+            step.observed.append(request)
+            # One query observed with a plain softmax: it sees every
+            # cached slot, so its attention and its scores are one pass.
+            if len(q_log) == 1 and not state.noisy and not masked and not state.merged:
+                step.fused.append(request)
+                step.fused_rows.append(i)
+        if masked:
+            step.masked.append(self._step_request(rid, state, sl, slice(None), q_log, physical_host))
+        if state.merged:
+            step.merged.append(self._step_request(rid, state, sl, slice(None), q_log, physical_host))
 
     def _step_request(self, rid: str, state: RequestCompression, sl: slice, mask, q_log, physical) -> StepRequest:
         """A request's selected queries in this step, its index tensors
@@ -890,10 +992,18 @@ def wrap_sample_tokens(original):
     def sample_tokens(self, *args, **kwargs):
         output = original(self, *args, **kwargs)
         kvc = _compression(self)
-        if kvc is not None and kvc.reported and output is not None:
-            # Rides back to the scheduler's update_from_output (async scheduling is off).
+        if kvc is None:
+            return output
+        failed = kvc.take_failed()  # every rank: a collective under tensor parallelism
+        if output is None:  # nothing goes back this step: the next one reports them
+            kvc.failed.update(dict.fromkeys(failed, "reported late"))
+            return output
+        # Both ride back to the scheduler's update_from_output (async scheduling is off).
+        if kvc.reported:
             setattr(output, BUDGETS_ATTR, kvc.reported)
             kvc.reported = []
+        if failed:
+            setattr(output, FAILED_ATTR, failed)
         return output
 
     return sample_tokens
