@@ -225,6 +225,8 @@ class KVCompressConfig:
         overrides = dict(overrides)
         engine = {name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None}
         for name in ENGINE_FIELDS:
+            if overrides.get(name) is not None:  # a value out of its range says so first
+                _check_type(name, overrides[name], _OPTIONAL_FIELDS[name], _BOUNDS.get(name), limits)
             # Not given means 1 group: a request may restate the engine's value.
             if name in overrides and overrides[name] != (getattr(self, name) or 1):
                 if not startup:
@@ -441,7 +443,7 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | 
         raise _fail("policy", f"expected a policy name or an object, got {type(nested).__name__} {nested!r}")
     prefix = CONFIG_KEY + "_"
     for key, value in extra_args.items():
-        if not isinstance(key, str) or key == CONFIG_KEY or not _LOOKS_OURS.match(key):
+        if not isinstance(key, str) or key == CONFIG_KEY or not looks_like_ours(key):
             continue  # another plugin's argument
         name = key[len(prefix):] if key.startswith(prefix) else ""
         if not name.isidentifier():
@@ -460,3 +462,8 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | 
 
 # Keys that look like this plugin's, whatever their case and separators.
 _LOOKS_OURS = re.compile(r"kv\W*_*\W*compress", re.IGNORECASE)
+
+
+def looks_like_ours(key: str) -> bool:
+    """Whether a request's extra-argument key is meant for this plugin."""
+    return bool(_LOOKS_OURS.match(key))

@@ -7,6 +7,7 @@ vLLM pickles into the engine core and every worker.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from ..config import (
     KVCompressConfig,
     KVCompressConfigError,
     all_params,
+    looks_like_ours,
     param_field,
     request_overrides,
 )
@@ -366,3 +368,40 @@ def wrap_validate_params(original):
         return result
 
     return _validate_params
+
+
+def wrap_openai_handler(original):
+    """Refuse JSON booleans among a request's kv_compress values.
+
+    The OpenAI protocol parses `vllm_xargs` values as str | int | float, which
+    reads `true` as 1: `"kv_compress_span": true` would be served as span 1.
+    Only the raw body still tells a boolean from a number, so the handler
+    reads it (FastAPI keeps it) when `vllm_xargs` holds one of our keys.
+    """
+
+    async def handler(self, request, raw_request=None, *args, **kwargs):
+        xargs = getattr(request, "vllm_xargs", None)
+        if raw_request is not None and xargs and any(isinstance(k, str) and looks_like_ours(k) for k in xargs):
+            problem = boolean_setting(await raw_request.body())
+            if problem is not None:
+                return self.create_error_response(problem, param=CONFIG_KEY)
+        return await original(self, request, raw_request, *args, **kwargs)
+
+    return handler
+
+
+def boolean_setting(body: bytes) -> str | None:
+    """The error for the first kv_compress value of `vllm_xargs` that is a JSON boolean (None: none is)."""
+    try:
+        xargs = json.loads(body).get("vllm_xargs")
+    except (ValueError, AttributeError):
+        return None  # not a JSON object: the protocol's own validation answers
+    if not isinstance(xargs, dict):
+        return None
+    for key, value in xargs.items():
+        values = value if isinstance(value, list) else [value]
+        if looks_like_ours(key) and any(isinstance(v, bool) for v in values):
+            name = key.removeprefix(CONFIG_KEY + "_") if key != CONFIG_KEY else "policy"
+            return (f"{CONFIG_KEY}.{FIELD_ALIASES.get(name, name)}: expected a number or a name, got the JSON "
+                    f"boolean {json.dumps(value)}")
+    return None

@@ -183,3 +183,4 @@ def enable_metrics() -> None:
     os.environ[ENV] = folder
     REGISTRY.register(KVCompressCollector(folder))
     _registered = folder
+    logger.info("kv_compress: metrics snapshots in %s", folder)

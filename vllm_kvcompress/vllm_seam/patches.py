@@ -66,6 +66,11 @@ vllm.engine.arg_utils | EngineArgs | create_engine_config | engine_args.wrap_cre
     | validate the config and refuse or make safe what compression cannot serve
 vllm.v1.engine.input_processor | InputProcessor | _validate_params | engine_args.wrap_validate_params | method
     | reject a bad per-request extra_args['kv_compress'] before it reaches the engine core
+vllm.entrypoints.openai.completion.serving | OpenAIServingCompletion | create_completion
+    | engine_args.wrap_openai_handler | method
+    | a JSON boolean among the kv_compress vllm_xargs is a 400 (the protocol would read true as 1)
+vllm.entrypoints.openai.chat_completion.serving | OpenAIServingChat | create_chat_completion
+    | engine_args.wrap_openai_handler | method | same for chat completions
 vllm.v1.worker.gpu_worker | Worker | determine_available_memory | worker.wrap_determine_available_memory | method
     | CUDA: the KV cache leaves room for the scores the profiling run never allocated
 vllm.v1.worker.gpu_model_runner | GPUModelRunner | initialize_kv_cache | worker.wrap_initialize_kv_cache | method

@@ -1,0 +1,299 @@
+"""No request can take the server down.
+
+Against one real `vllm serve` (the tiny model, `--kv-compress none`, so every
+request picks its own compression, as any client of a shared server can):
+every integer a request sets is bounded by the engine (400 naming the field
+and its range), JSON booleans are not numbers, near-miss keys are refused,
+random settings (valid, extreme and invalid) are served or refused by name
+with the engine alive and its pool whole after each, and a compression that
+raises inside one request's compaction (the worker's test hook) fails that
+request alone while the others finish with their reference tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import random_prompts
+from server_utils import VLLM, Server
+from vllm_kvcompress.budgets import ALLOCATIONS
+from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError, request_overrides
+from vllm_kvcompress.limits import ABSOLUTE_MAX, EngineLimits
+from vllm_kvcompress.merge import MERGES
+from vllm_kvcompress.scorers import SCORERS
+from vllm_kvcompress.selection import SELECTIONS
+from vllm_kvcompress.triggers import TRIGGERS
+from vllm_kvcompress.vllm_seam.engine_args import boolean_setting
+from vllm_kvcompress.vllm_seam.worker import FAULT_ENV
+
+TIMEOUT = 120
+MAX_MODEL_LEN = 1024  # server_utils.Server's
+FAULTY_PROMPT_LEN = 333  # the worker's test hook fails this prompt length's compaction
+HUGE = (2**63 - 1, 2**64 - 1, 10**11, True)
+
+# Each integer field a request can set, with a request that reaches it.
+SIZE_FIELDS = {
+    "budget": {"kv_compress": "h2o"},
+    "interval": {"kv_compress": "h2o", "kv_compress_budget": 64},
+    "span": {"kv_compress": "snapkv-span", "kv_compress_budget": 64},
+    "sink_tokens": {"kv_compress": "streamingllm", "kv_compress_budget": 64},
+    "chunk_length": {"kv_compress": "snapkv", "kv_compress_selection": "chunk", "kv_compress_budget": 64},
+    "window": {"kv_compress": "snapkv", "kv_compress_budget": 64},
+    "kernel_size": {"kv_compress": "snapkv", "kv_compress_budget": 64},
+    "kept_window": {"kv_compress": "snapkv", "kv_compress_budget": 64},
+    "prompt_chunk": {"kv_compress": "streamingllm", "kv_compress_budget": 64},
+    "seed": {"kv_compress": "random", "kv_compress_budget": 64},
+    "beta": {"kv_compress": "pyramidkv", "kv_compress_budget": 64},
+    "floor": {"kv_compress": "adaptive", "kv_compress_budget": 64},
+    "start_layer": {"kv_compress": "minicache"},
+    "layer_groups": {"kv_compress": "h2o", "kv_compress_budget": 64},
+}
+
+
+def test_every_integer_field_is_bounded():
+    """A new component's integer parameter without a range fails here."""
+    for registry in (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS, MERGES):
+        for cls in registry.values():
+            for f in dataclasses.fields(cls):
+                if f.type in (int, "int"):
+                    assert "bounds" in f.metadata, f"{cls.__name__}.{f.name} declares no range (limits.bounded)"
+                    assert f.name in SIZE_FIELDS, f"{f.name}: add it to this module's SIZE_FIELDS"
+
+
+@pytest.mark.parametrize("value", HUGE + (-(2**63),))
+@pytest.mark.parametrize("field", sorted(SIZE_FIELDS))
+def test_out_of_range_values_name_the_field_and_the_engine_range(field, value):
+    request = {**SIZE_FIELDS[field], f"kv_compress_{field}": value}
+    limits = EngineLimits(max_model_len=MAX_MODEL_LEN, num_layers=4)
+    with pytest.raises(KVCompressConfigError) as e:
+        KVCompressConfig.from_dict({"policy": "none"}).merged(request_overrides(request), limits=limits)
+    message = str(e.value)
+    assert message.startswith(f"kv_compress.{field}: "), message
+    if value is not True:
+        assert "out of range; valid values: " in message and len(message) < 200, message
+
+
+def test_near_miss_keys_are_refused():
+    for key in ("kv_compress.budget", "kv-compress-budget", "KV_COMPRESS_BUDGET", "kvcompress_budget", "kv_compress_"):
+        with pytest.raises(KVCompressConfigError, match="unknown per-request key"):
+            request_overrides({"kv_compress": "h2o", key: 64})
+    with pytest.raises(KVCompressConfigError, match="given twice"):
+        request_overrides({"kv_compress": {"policy": "h2o", "budget": 64}, "kv_compress_budget": 32})
+    assert request_overrides({"other_plugin": 1}) is None
+
+
+def _flags(field: str, value: str) -> list[str]:
+    """The startup flags of SIZE_FIELDS[field]'s request, with `field` at `value`."""
+    flags = []
+    for key, v in {**SIZE_FIELDS[field], f"kv_compress_{field}": value}.items():
+        flags += ["--" + key.replace("_", "-"), str(v)]
+    return flags
+
+
+@pytest.mark.parametrize("value", [str(v).lower() for v in HUGE])
+@pytest.mark.parametrize("field", sorted(SIZE_FIELDS))
+def test_startup_flags_out_of_range_exit_2_with_one_line(field, value, capsys):
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    with pytest.raises(SystemExit) as e:
+        make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", *_flags(field, value)])
+    assert e.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1, errors
+    name = f"--kv-compress-{field.replace('_', '-')}" if value == "true" else f"kv_compress.{field}: "
+    assert name in errors[0], errors
+
+
+def test_the_real_command_refuses_a_huge_interval(tiny_model):
+    out = subprocess.run([VLLM, "serve", tiny_model, *_flags("interval", "100000000000")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "kv_compress.interval: 100000000000 is out of range" in errors[0], errors
+    assert "Traceback" not in out.stderr
+
+
+def test_json_booleans_are_found_in_the_raw_body():
+    assert "kv_compress.span: " in boolean_setting(b'{"vllm_xargs": {"kv_compress_span": true}}')
+    assert "kv_compress.compression_ratio" in boolean_setting(b'{"vllm_xargs": {"kv_compress_ratio": [false]}}')
+    assert boolean_setting(b'{"vllm_xargs": {"kv_compress_span": 1, "other": true}}') is None
+    assert boolean_setting(b"not json") is None
+
+
+# ---------------------------------------------------------------- the server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    srv = Server(tiny_model, "--kv-compress", "none", "--max-num-seqs", "8", "--enable-prompt-tokens-details",
+                 log=tmp_path_factory.mktemp("serve") / "serve.log", env={FAULT_ENV: str(FAULTY_PROMPT_LEN)})
+    yield srv
+    srv.stop()
+
+
+def complete(server, prompt, xargs=None, max_tokens=8, **kw):
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **kw}
+    if xargs is not None:
+        body["vllm_xargs"] = xargs
+    return requests.post(server.url + "/v1/completions", json=body, timeout=TIMEOUT)
+
+
+def metrics(server) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.url + "/metrics", timeout=TIMEOUT).text
+    return {s.name + "".join(f"{{{v}}}" for v in s.labels.values()): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("vllm:kv_compress")}
+
+
+def pool(server) -> tuple[float, float]:
+    """(free, total) blocks from /metrics (written when the engine goes idle)."""
+    values = metrics(server)
+    return values["vllm:kv_compress_free_blocks"], values["vllm:kv_compress_total_blocks"]
+
+
+def assert_alive_and_whole(server):
+    ok = complete(server, [7, 8, 9])
+    assert ok.status_code == 200, ok.text
+    free, total = pool(server)
+    assert free == total > 0
+
+
+def test_the_engine_killing_interval_is_a_400(server):
+    """The issue's request: interval 10**11 once asked for a 1.6 TB buffer and killed the engine."""
+    bad = complete(server, [5, 6, 7] * 40, {"kv_compress": "h2o", "kv_compress_budget": 64,
+                                            "kv_compress_interval": 100000000000})
+    assert bad.status_code == 400, bad.text
+    message = bad.json()["error"]["message"]
+    assert "kv_compress.interval: 100000000000 is out of range; valid values: 1 .. 1024 (max_model_len)" in message
+    assert_alive_and_whole(server)
+
+
+@pytest.mark.parametrize("field", sorted(SIZE_FIELDS))
+def test_every_size_field_at_huge_values_and_true_is_a_400(server, field):
+    for value in HUGE:
+        bad = complete(server, [5, 6, 7], {**SIZE_FIELDS[field], f"kv_compress_{field}": value})
+        assert bad.status_code == 400, (value, bad.text)
+        message = bad.json()["error"]["message"]
+        assert f"kv_compress.{field}: " in message, (value, message)
+        expected = "JSON boolean true" if value is True else "is out of range; valid values: "
+        assert expected in message, (value, message)
+    assert complete(server, [5, 6, 7]).status_code == 200
+
+
+def test_dotted_and_misspelt_keys_are_a_400(server):
+    for key in ("kv_compress.budget", "kv-compress-budget"):
+        bad = complete(server, [5, 6, 7], {"kv_compress": "h2o", key: 64})
+        assert bad.status_code == 400, bad.text
+        assert "unknown per-request key" in bad.json()["error"]["message"]
+
+
+def _settings():
+    """Per-request settings, valid and invalid, extreme valid values included."""
+    sizes = st.sampled_from([0, 1, 2, 3, 7, 16, 33, 64, 511, 1023, MAX_MODEL_LEN, MAX_MODEL_LEN + 1, ABSOLUTE_MAX,
+                             2**63 - 1, -1, -(2**31), True, "12", 0.5])
+    fractions = st.sampled_from([0.0, 1e-300, 0.25, 0.5, 0.875, 0.999999, 1.0, -0.5, 2.0, 1e300, True])
+    fields = st.fixed_dictionaries({}, optional={
+        "kv_compress_budget": sizes, "kv_compress_ratio": fractions, "kv_compress_interval": sizes,
+        "kv_compress_window": sizes, "kv_compress_kernel_size": sizes, "kv_compress_span": sizes,
+        "kv_compress_sink_tokens": sizes, "kv_compress_chunk_length": sizes, "kv_compress_seed": sizes,
+        "kv_compress_prompt_chunk": sizes, "kv_compress_kept_window": sizes, "kv_compress_retain_ratio": fractions,
+        "kv_compress_recent_ratio": fractions, "kv_compress_alpha": fractions,
+        "kv_compress_trigger": st.sampled_from(["once", "rolling", "decode", "streamed", "bogus"]),
+        "kv_compress_selection": st.sampled_from(["top", "span", "chunk"]),
+        "kv_compress_allocation": st.sampled_from(["uniform", "per_head", "pyramid"]),
+    })
+    policy = st.sampled_from(["none", "snapkv", "snapkv-span", "h2o", "tova", "keyformer", "streamingllm", "window",
+                              "random", "rkv", "adakv", "minicache", "wat"])
+    return st.builds(lambda p, f: {"kv_compress": p, **f}, policy, fields)
+
+
+NAMED = re.compile(r"kv_compress\.[\w']+: \S")
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(xargs=_settings(), length=st.integers(20, 300).filter(lambda n: n != FAULTY_PROMPT_LEN),
+       max_tokens=st.integers(1, 40))
+def test_random_settings_are_served_or_refused_by_name(server, xargs, length, max_tokens):
+    (prompt,) = random_prompts((length,), seed=length)
+    response = complete(server, prompt, xargs, max_tokens=max_tokens)
+    if response.status_code == 200:
+        assert response.json()["usage"]["completion_tokens"] == max_tokens
+    else:
+        assert response.status_code == 400, (xargs, response.text)
+        assert NAMED.search(response.json()["error"]["message"]), (xargs, response.text)
+    assert_alive_and_whole(server)
+
+
+def test_a_failing_compaction_fails_that_request_only(server, tiny_model):
+    """The worker's hook raises inside the compaction of the 333-token prompt,
+    while two other compressed requests decode beside it: those two answer
+    their reference tokens, the faulty one ends with an error, and the engine
+    goes on serving with its pool whole."""
+    from transformers import AutoTokenizer
+
+    from vllm_kvcompress.reference import ReferenceDecoder
+
+    prompts = random_prompts((180, 240, FAULTY_PROMPT_LEN), seed=71)
+    xargs = {"kv_compress": "h2o", "kv_compress_budget": 64}
+    with ThreadPoolExecutor(3) as ex:
+        healthy = [ex.submit(complete, server, p, xargs, max_tokens=48) for p in prompts[:2]]
+        faulty = ex.submit(complete, server, prompts[2], xargs, max_tokens=48)
+        results = [f.result() for f in healthy]
+        failed = faulty.result()
+    assert failed.status_code == 500, failed.text
+    assert FAULT_ENV in server.output() and "finishes with an error, the others go on" in server.output()
+    decoder = ReferenceDecoder(tiny_model)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    config = KVCompressConfig.from_dict({"policy": "h2o", "budget": 64})
+    for prompt, response in zip(prompts, results):
+        assert response.status_code == 200, response.text
+        body = response.json()
+        cached = (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        tokens = decoder.generate(prompt, 48, config, cached_len=cached)["tokens"]
+        assert body["choices"][0]["text"] == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert_alive_and_whole(server)
+    assert "EngineDeadError" not in server.output()
+
+
+def test_counters_never_go_back_when_the_metrics_folder_becomes_a_file(server):
+    (folder,) = set(re.findall(r"kv_compress: metrics snapshots in (\S+)", server.output()))
+    folder = Path(folder)
+    compressed = {"kv_compress": "h2o", "kv_compress_budget": 64}
+    for prompt in random_prompts((200, 230), seed=73):
+        assert complete(server, prompt, compressed, max_tokens=24).status_code == 200
+    before = metrics(server)
+    counters = [k for k in before if k.endswith("_total") or "_seconds_total" in k]
+    assert before["vllm:kv_compress_tokens_evicted_total"] > 0 and counters
+    shutil.rmtree(folder)
+    folder.write_text("not a folder")  # the engine's writes fail now; /metrics cannot read any snapshot
+    try:
+        during = metrics(server)
+        for prompt in random_prompts((210,), seed=74):  # the engine keeps serving
+            assert complete(server, prompt, compressed, max_tokens=24).status_code == 200
+        later = metrics(server)
+        for key in counters:
+            assert before[key] <= during[key] <= later[key], key
+        assert math.isnan(during["vllm:kv_compress_free_blocks"]) and math.isnan(later["vllm:kv_compress_total_blocks"])
+    finally:
+        folder.unlink()
+    for prompt in random_prompts((220,), seed=75):  # the writer recreates the folder
+        assert complete(server, prompt, compressed, max_tokens=24).status_code == 200
+    after = metrics(server)
+    for key in counters:
+        assert later[key] <= after[key], key
+    assert after["vllm:kv_compress_tokens_evicted_total"] > before["vllm:kv_compress_tokens_evicted_total"]
+    assert after["vllm:kv_compress_free_blocks"] == after["vllm:kv_compress_total_blocks"] > 0
