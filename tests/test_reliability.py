@@ -125,6 +125,19 @@ def test_the_real_command_refuses_a_huge_interval(tiny_model):
     assert "Traceback" not in out.stderr
 
 
+def test_a_startup_value_above_the_engine_range_is_refused_naming_it(tiny_model):
+    """In range for the parser (below 2**31), out of range for this engine: refused when it is created."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_kvcompress  # noqa: F401  (keyword support)
+
+    args = EngineArgs(model=tiny_model, max_model_len=MAX_MODEL_LEN, kv_compress="h2o", kv_compress_budget=64,
+                      kv_compress_interval=5000)
+    with pytest.raises(KVCompressConfigError, match=r"kv_compress.interval: 5000 is out of range; valid values: "
+                                                    r"1 .. 1024 \(max_model_len\)"):
+        args.create_engine_config()
+
+
 def test_json_booleans_are_found_in_the_raw_body():
     assert "kv_compress.span: " in boolean_setting(b'{"vllm_xargs": {"kv_compress_span": true}}')
     assert "kv_compress.compression_ratio" in boolean_setting(b'{"vllm_xargs": {"kv_compress_ratio": [false]}}')

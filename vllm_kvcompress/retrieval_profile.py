@@ -66,12 +66,20 @@ class RetrievalProfile:
         return [sum(row) for row in self.kv_head_scores]
 
 
+MAX_PROFILE_BYTES = 1 << 20
+
+
 @functools.lru_cache(maxsize=8)
 def load_profile(path: str) -> RetrievalProfile:
     """Read and check a profile file; ValueError starting "profile" on any problem."""
     try:
         with open(path) as f:
-            data = json.load(f)
+            # A profile is a [layers][KV heads] table: kilobytes. A larger
+            # file is not one, and is not read whole into memory.
+            text = f.read(MAX_PROFILE_BYTES + 1)
+        if len(text) > MAX_PROFILE_BYTES:
+            raise ValueError(f"profile {path!r} is larger than {MAX_PROFILE_BYTES} bytes: not a retrieval profile")
+        data = json.loads(text)
     except OSError as e:
         raise ValueError(f"profile cannot read {path!r}: {e.strerror or e}") from None
     except json.JSONDecodeError as e:
