@@ -14,6 +14,14 @@ from helpers import Engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Without a GPU, Triton runs on CPU tensors through its interpreter (the kernel
+# tests, the GPU harness with the Triton ops). It must be set before Triton is
+# first imported, which an engine test in the same run may do: hence here.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:

@@ -224,7 +224,8 @@ def test_prefix_caching_merged_blocks_are_never_hits(start_engine, tiny_model, r
 
 @pytest.mark.parametrize("extra, needle", [
     ({"kv_compress_layer_groups": 2}, "needs one KV cache group per layer (--kv-compress-layer-groups 4)"),
-    ({"kv_compress_layer_groups": 4, "kv_compress_start_layer": 3}, "start_layer 3 leaves no pair"),
+    ({"kv_compress_layer_groups": 4, "kv_compress_start_layer": 3},
+     "kv_compress.start_layer: 3 is out of range; valid values: -1 .. 2"),
 ])
 def test_engines_that_cannot_merge_are_refused_at_startup(tiny_model, extra, needle):
     from vllm import LLM

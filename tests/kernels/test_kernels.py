@@ -5,7 +5,7 @@
 2. The Triton kernels against the references on random paged caches: GQA group sizes
    1/3/8, head_dim 64/128, block sizes 16/32/128, ragged lengths (1, not multiples of the
    block size), shuffled block tables with stale padding entries, fp32/fp16/bf16.
-   Without a GPU, Triton runs under TRITON_INTERPRET=1 (set in conftest.py), so sizes are
+   Without a GPU, Triton runs under TRITON_INTERPRET=1 (set in tests/conftest.py), so sizes are
    kept small and configurations are chosen to cover each value, not the cross product.
 """
 
