@@ -43,10 +43,10 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from kvc_tools import longctx
+    from kvc_tools.calibrate_profile import tokens_overlapping
     from kvc_tools.models import prepare_smollm2
+    from kvc_tools.reference_decoder import ReferenceDecoder
     from vllm_kvcompress.config import KVCompressConfig
-    from vllm_kvcompress.reference import ReferenceDecoder
-    from vllm_kvcompress.retrieval_profile import tokens_overlapping
 
     if args.task not in longctx.TASKS:
         raise SystemExit(f"--task: unknown task {args.task!r}; valid: {', '.join(longctx.TASKS)}")

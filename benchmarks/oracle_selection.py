@@ -93,10 +93,10 @@ def main() -> None:
     from quality import kv_args, policy_spec
     from transformers import AutoTokenizer
 
+    from kvc_tools.calibrate_profile import tokens_overlapping
     from kvc_tools.models import prepare_smollm2
+    from kvc_tools.reference_decoder import ReferenceDecoder
     from vllm_kvcompress.config import KVCompressConfig
-    from vllm_kvcompress.reference import ReferenceDecoder
-    from vllm_kvcompress.retrieval_profile import tokens_overlapping
 
     global _answer_positions
     spec = policy_spec(args.policy)

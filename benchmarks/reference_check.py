@@ -1,7 +1,7 @@
 """Does the plain-torch reference decoder reproduce a quality run's generations?
 
 Re-decodes the prompts of one task from a `quality.py` run with
-`vllm_kvcompress.reference.ReferenceDecoder` (same policy, kept fraction and
+`kvc_tools.reference_decoder.ReferenceDecoder` (same policy, kept fraction and
 KV cache groups) and checks that its greedy text starts with what the engine
 generated (the engine stops at the task's stop strings). A match says a score
 is the method's behaviour on the model, not the plugin's.
@@ -35,8 +35,8 @@ def main() -> int:
 
     from kvc_tools import longctx
     from kvc_tools.models import prepare_smollm2
+    from kvc_tools.reference_decoder import ReferenceDecoder
     from vllm_kvcompress.config import KVCompressConfig
-    from vllm_kvcompress.reference import ReferenceDecoder
 
     rows = [json.loads(line) for line in args.predictions.read_text().splitlines()]
     model = args.model or str(prepare_smollm2())

@@ -28,8 +28,8 @@ def main() -> int:
 
     import vllm_kvcompress
     from kvc_tools.models import build_tiny_llama
+    from kvc_tools.reference_decoder import ReferenceDecoder
     from vllm_kvcompress.config import KVCompressConfig
-    from vllm_kvcompress.reference import ReferenceDecoder
 
     model = build_tiny_llama(os.path.join(tempfile.mkdtemp(), "tiny"))
     gen = torch.Generator().manual_seed(0)

@@ -408,7 +408,7 @@ def check_paged_compaction(cache, views, block_ids, keys, values):
 
 def test_reference_decoder_without_compression_equals_transformers(tiny_model):
     """The oracle itself is checked: no compression -> HF greedy generation."""
-    from vllm_kvcompress.reference import ReferenceDecoder
+    from kvc_tools.reference_decoder import ReferenceDecoder
 
     ref = ReferenceDecoder(tiny_model)
     prompt = list(range(10, 90))

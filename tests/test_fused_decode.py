@@ -30,7 +30,7 @@ FUSED = {"h2o", "tova", "rkv"}
 
 
 def test_fused_decode_rows_equal_reference_and_skip_vllms_pass(tiny_model, monkeypatch):
-    from vllm_kvcompress.reference import ReferenceDecoder
+    from kvc_tools.reference_decoder import ReferenceDecoder
 
     fused_policies: list[str] = []
     edited: list[tuple[list[int], list[int]]] = []  # (fused rows, their seq_lens in vLLM's metadata)

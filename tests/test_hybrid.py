@@ -40,7 +40,7 @@ def engine(start_engine, gemma_model):
 
 @pytest.fixture(scope="module")
 def reference(gemma_model):
-    from vllm_kvcompress.reference import ReferenceDecoder
+    from kvc_tools.reference_decoder import ReferenceDecoder
 
     return ReferenceDecoder(gemma_model)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvc_tools.paged_decoder import PagedDecoder, random_llama
+from kvc_tools.reference_decoder import ReferenceDecoder
 from vllm_kvcompress.config import KVCompressConfig
-from vllm_kvcompress.reference import ReferenceDecoder
 
 NUM_LAYERS = 4
 NEW_TOKENS = 10

@@ -44,7 +44,7 @@ PER_LAYER = [
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    from vllm_kvcompress.reference import ReferenceDecoder
+    from kvc_tools.reference_decoder import ReferenceDecoder
 
     return ReferenceDecoder(tiny_model)
 

@@ -30,7 +30,7 @@ def engine(start_engine, tiny_model):
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    from vllm_kvcompress.reference import ReferenceDecoder
+    from kvc_tools.reference_decoder import ReferenceDecoder
 
     return ReferenceDecoder(tiny_model)
 

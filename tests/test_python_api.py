@@ -48,8 +48,8 @@ def test_bad_python_config_fails_before_the_engine_starts(tiny_model, kwargs, ne
 
 
 def test_additional_config_works_without_importing_the_package(tiny_model):
+    from kvc_tools.reference_decoder import ReferenceDecoder
     from vllm_kvcompress.config import KVCompressConfig
-    from vllm_kvcompress.reference import ReferenceDecoder
 
     config = {"policy": "streamingllm", "budget": 48, "sink_tokens": 2}
     result = run_script(tiny_model, additional_config={"kv_compress": config})

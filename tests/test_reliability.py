@@ -258,7 +258,7 @@ def test_a_failing_compaction_fails_that_request_only(server, tiny_model):
     goes on serving with its pool whole."""
     from transformers import AutoTokenizer
 
-    from vllm_kvcompress.reference import ReferenceDecoder
+    from kvc_tools.reference_decoder import ReferenceDecoder
 
     prompts = random_prompts((180, 240, FAULTY_PROMPT_LEN), seed=71)
     xargs = {"kv_compress": "h2o", "kv_compress_budget": 64}

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from helpers import BLOCK_SIZE, engine_kwargs, random_prompts
+from kvc_tools.calibrate_profile import answer_mass
 from vllm_kvcompress.budgets import Retrieval, water_fill
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.planner import cdiv
-from vllm_kvcompress.retrieval_profile import FORMAT, answer_mass, load_profile
+from vllm_kvcompress.retrieval_profile import FORMAT, load_profile
 
 NUM_LAYERS = 4  # the tiny model's
 NEW_TOKENS = 24
@@ -105,8 +106,8 @@ def test_answer_mass_sums_each_heads_attention_on_the_context():
 def test_answer_context_is_the_answer_and_what_precedes_it():
     from transformers import AutoTokenizer
 
+    from kvc_tools.calibrate_profile import CONTEXT_CHARS, _answer_tokens
     from kvc_tools.models import prepare_smollm2
-    from vllm_kvcompress.retrieval_profile import CONTEXT_CHARS, _answer_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(str(prepare_smollm2()))
     text = "x " * 40 + "The special magic number for blue-moon is: 4821734. " + "y " * 40
@@ -122,8 +123,8 @@ def test_answer_context_is_the_answer_and_what_precedes_it():
 
 
 def test_calibration_finds_copying_heads_on_smollm2(tmp_path):
+    from kvc_tools.calibrate_profile import main
     from kvc_tools.models import prepare_smollm2
-    from vllm_kvcompress.retrieval_profile import main
 
     out = tmp_path / "smollm2.json"
     assert main([str(prepare_smollm2()), "--out", str(out), "--tasks", "niah_single", "--samples", "1",
@@ -148,7 +149,7 @@ def retrieval_engine(start_engine, tiny_model, profile):
 
 
 def test_engine_matches_reference_and_each_layer_holds_its_budget(retrieval_engine, tiny_model, profile):
-    from vllm_kvcompress.reference import ReferenceDecoder
+    from kvc_tools.reference_decoder import ReferenceDecoder
 
     reference = ReferenceDecoder(tiny_model)
     prompts = random_prompts((300, 240, 90, 270), seed=61)

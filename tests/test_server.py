@@ -61,8 +61,8 @@ def cached_tokens(usage: dict) -> int:
 def expected_text(tiny_model, prompt, config: dict | None, cached: int, new_tokens: int = 16) -> str:
     from transformers import AutoTokenizer
 
+    from kvc_tools.reference_decoder import ReferenceDecoder
     from vllm_kvcompress.config import KVCompressConfig
-    from vllm_kvcompress.reference import ReferenceDecoder
 
     cfg = KVCompressConfig.from_dict(config) if config else None
     tokens = ReferenceDecoder(tiny_model).generate(prompt, new_tokens, cfg, cached_len=cached)["tokens"]

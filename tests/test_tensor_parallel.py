@@ -71,7 +71,7 @@ def by_prompt_len(stats: dict, lengths: set[int]) -> dict[int, dict]:
 
 
 def test_tensor_parallel_equals_one_device(tp1, tp2, model):
-    from vllm_kvcompress.reference import ReferenceDecoder
+    from kvc_tools.reference_decoder import ReferenceDecoder
 
     prompts = random_prompts([180 + 5 * i for i in range(len(CONFIGS))], seed=83)
     lengths = {len(p) for p in prompts}

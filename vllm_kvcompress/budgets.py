@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from .limits import bounded
-from .retrieval_profile import load_profile
+from .retrieval_profile import CALIBRATE, load_profile
 
 
 @dataclass(frozen=True)
@@ -169,15 +169,14 @@ class Retrieval(Allocation):
     per_layer = True
 
     profile: str = field(default="", metadata={
-        "help": "retrieval: the model's retrieval-head profile (JSON, from python -m "
-                "vllm_kvcompress.retrieval_profile); an engine setting", "engine": True, "path": True})
+        "help": f"retrieval: the model's retrieval-head profile (JSON, from {CALIBRATE}); an engine setting",
+        "engine": True, "path": True})
     share: float = field(default=0.5, metadata={"help": "retrieval: share of the budget beyond the protected "
                                                         "tokens that follows the profile (the rest is uniform)"})
 
     def validate(self) -> None:
         if not self.profile:
-            raise ValueError("profile must name a retrieval profile file (python -m "
-                             "vllm_kvcompress.retrieval_profile MODEL --out FILE writes one)")
+            raise ValueError(f"profile must name a retrieval profile file ({CALIBRATE} writes one)")
         if not 0 <= self.share <= 1:  # also rejects NaN
             raise ValueError(f"share must be in [0, 1], got {self.share}")
         load_profile(self.profile)

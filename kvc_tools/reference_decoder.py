@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from .compression import MergedUpper, RequestCompression
-from .config import KVCompressConfig
-from .merge import restore
-from .plan import resolve_plan
-from .planner import RequestState, layer_groups
+from vllm_kvcompress.compression import MergedUpper, RequestCompression
+from vllm_kvcompress.config import KVCompressConfig
+from vllm_kvcompress.merge import restore
+from vllm_kvcompress.plan import resolve_plan
+from vllm_kvcompress.planner import RequestState, layer_groups
 
 
 class ReferenceDecoder:
