@@ -60,18 +60,19 @@ def main() -> None:
 
     import vllm_kvcompress  # noqa: F401  (LLM(kv_compress=...) keywords)
     from kvc_tools.models import prepare_smollm2
-    from vllm_kvcompress.vllm_seam import attention, worker
+    from vllm_kvcompress.vllm_seam import attention
+    from vllm_kvcompress.vllm_seam.worker import step_inputs
 
     fuse = {"on": True}
-    observation = worker.WorkerCompression.observation
+    step_passes = step_inputs.step_passes
 
-    def switched(self, *a, **k):
-        step = observation(self, *a, **k)
+    def switched(worker, *a, **k):
+        step = step_passes(worker, *a, **k)
         if step is not None and not fuse["on"]:
             step.fused, step.fused_rows = [], []
         return step
 
-    worker.WorkerCompression.observation = switched
+    step_inputs.step_passes = switched
     attention_s = {"total": 0.0}
     impl = attention.KVCompressFlashImpl if _cuda() else attention.KVCompressCPUImpl
     forward = impl.forward

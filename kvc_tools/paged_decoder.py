@@ -15,7 +15,7 @@ worker code, driven the way vLLM drives it:
   truncation: freed blocks go back to the harness's pool);
 - `WorkerCompression.observation` builds the step's observed, fused, masked
   and merged queries; after each layer's attention its hooks run as in
-  `vllm_seam/attention.py` (`StepObservation.after_attention`).
+  `vllm_seam/attention.py` (`StepPasses.after_attention`).
 
 Attention itself (vLLM's kernel in the engine): prompt chunks through torch's
 SDPA over the gathered cache, decode steps through the kernel op
@@ -48,6 +48,7 @@ from vllm_kvcompress.plan import PLAN_ATTR, Compaction, StartedRequest, StepPlan
 from vllm_kvcompress.planner import RequestState, cdiv, layer_groups
 from vllm_kvcompress.sharding import ONE_DEVICE
 from vllm_kvcompress.vllm_seam.worker import WorkerCompression
+from vllm_kvcompress.vllm_seam.worker.step_inputs import step_passes
 
 LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps")
@@ -242,7 +243,7 @@ class PagedDecoder:
             slots.append(torch.tensor([runner.requests[rid].block_ids[g][p // bs] * bs + p % bs
                                        for rid, s, n in zip(step_ids, starts, n_sched)
                                        for p in physical[g][s:s + n].tolist()]))
-        step = worker.observation(step_ids, starts, n_sched, positions, physical)
+        step = step_passes(worker, step_ids, starts, n_sched, positions, physical)
         decoding = all(n == 1 for n in n_sched)
         tables, seq_lens = [], []
         for g in range(num_groups):

@@ -15,7 +15,7 @@ import torch
 
 from helpers import engine_kwargs, in_process_engine, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
-from vllm_kvcompress.vllm_seam import worker
+from vllm_kvcompress.vllm_seam.worker import attention_passes, step_inputs
 
 NEW_TOKENS = 24
 CONFIGS = [
@@ -34,11 +34,11 @@ def test_fused_decode_rows_equal_reference_and_skip_vllms_pass(tiny_model, monke
 
     fused_policies: list[str] = []
     edited: list[tuple[list[int], list[int]]] = []  # (fused rows, their seq_lens in vLLM's metadata)
-    attend_fused, apply = worker.StepObservation.attend_fused, worker.MetadataEdits.apply
+    attend_fused, apply = attention_passes.FusedDecode.run, step_inputs.MetadataEdits.apply
 
-    def counting(self, layer_name, *args):
-        fused_policies.extend(r.state.plan.scorer.name for r in self.fused)
-        return attend_fused(self, layer_name, *args)
+    def counting(self, layer, *args):
+        fused_policies.extend(r.state.plan.scorer.name for r in self.step.fused)
+        return attend_fused(self, layer, *args)
 
     def recording(self, cm, vllm_group):
         out = apply(self, cm, vllm_group)
@@ -46,8 +46,8 @@ def test_fused_decode_rows_equal_reference_and_skip_vllms_pass(tiny_model, monke
             edited.append((self.fused_rows.tolist(), out.seq_lens[self.fused_rows].tolist()))
         return out
 
-    monkeypatch.setattr(worker.StepObservation, "attend_fused", counting)
-    monkeypatch.setattr(worker.MetadataEdits, "apply", recording)
+    monkeypatch.setattr(attention_passes.FusedDecode, "run", counting)
+    monkeypatch.setattr(step_inputs.MetadataEdits, "apply", recording)
     prompts = random_prompts((150, 120, 90, 140, 110, 60), seed=5)
     with in_process_engine(**engine_kwargs(tiny_model, kv_compress="none")) as engine:
         got = engine.generate(prompts, NEW_TOKENS, CONFIGS)
@@ -69,7 +69,7 @@ def test_metadata_edits_shorten_fused_rows_in_compressed_groups_only():
         block_table_tensor=torch.zeros(4, 4, dtype=torch.int32), slot_mapping=torch.zeros(7, dtype=torch.int64),
         seq_lens_cpu_upper_bound=seq_lens.clone())
     rows = torch.tensor([0, 3])
-    edits = worker.MetadataEdits(4, {1: torch.tensor([0, 0, -30, 10], dtype=torch.int32)}, rows, rows,
+    edits = step_inputs.MetadataEdits(4, {1: torch.tensor([0, 0, -30, 10], dtype=torch.int32)}, rows, rows,
                                  frozenset({0, 1}))
     group0, group1, sliding = edits.apply(cm, 0), edits.apply(cm, 1), edits.apply(cm, 2)
     assert group0.seq_lens.tolist() == [1, 7, 50, 1] and group0.max_seq_len == 100
@@ -77,8 +77,8 @@ def test_metadata_edits_shorten_fused_rows_in_compressed_groups_only():
     # Group 1 is 30 longer for request 2: the bound grows with it.
     assert group1.seq_lens.tolist() == [1, 7, 80, 1] and group1.max_seq_len == 100
     assert sliding is cm and cm.seq_lens.tolist() == [100, 7, 50, 80]  # shared metadata untouched
-    edits = worker.MetadataEdits(4, {1: torch.tensor([0, 0, -60, 0], dtype=torch.int32)}, rows[:0], rows[:0],
+    edits = step_inputs.MetadataEdits(4, {1: torch.tensor([0, 0, -60, 0], dtype=torch.int32)}, rows[:0], rows[:0],
                                  frozenset({0, 1}))
     assert edits.apply(cm, 1).max_seq_len == 110 and edits.apply(cm, 0) is cm
     with pytest.raises(RuntimeError, match="metadata for 4 requests, step planned 3"):
-        worker.MetadataEdits(3, {}, rows, rows, frozenset({0})).apply(cm, 0)
+        step_inputs.MetadataEdits(3, {}, rows, rows, frozenset({0})).apply(cm, 0)

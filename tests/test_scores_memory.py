@@ -19,8 +19,8 @@ import torch
 from vllm_kvcompress.compression import RequestCompression, score_bytes_per_kv_byte
 from vllm_kvcompress.config import CONFIG_KEY, KVCompressConfig
 from vllm_kvcompress.plan import resolve_plan
-from vllm_kvcompress.vllm_seam import worker
 from vllm_kvcompress.vllm_seam.patches import PATCHES
+from vllm_kvcompress.vllm_seam.worker import startup
 
 GIB = 1 << 30
 
@@ -46,7 +46,7 @@ def _cuda_worker(additional_config, kv_cache_memory_bytes=None):
 
 
 def test_cuda_kv_cache_leaves_room_for_scores():
-    determine = worker.wrap_determine_available_memory(lambda self: 33 * GIB)
+    determine = startup.wrap_determine_available_memory(lambda self: 33 * GIB)
     on = {CONFIG_KEY: KVCompressConfig.from_dict({"policy": "h2o", "budget": 256}).to_dict()}
     # 32 query heads, 8 KV heads, head_dim 128, bf16: scores are 1/32 of the KV bytes.
     kept = determine(_cuda_worker(on))

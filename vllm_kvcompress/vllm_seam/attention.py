@@ -5,7 +5,7 @@ regular forward the queries a policy observes are scored against the request's
 cached keys (read back through the block table); a decode query a plain
 softmax scorer observes (H2O, TOVA, ...) gets its attention and its scores
 from one op instead, vLLM's kernel attending a single key for that row
-(worker.MetadataEdits). Nor do vLLM's kernels take a length
+(worker/step_inputs.MetadataEdits). Nor do vLLM's kernels take a length
 per KV head: requests whose heads keep different counts get their rows redone
 with those heads' evicted slots masked; and the upper layer of a MiniCache
 pair reads most of its keys and values from the lower layer's cache, so
@@ -19,7 +19,7 @@ from __future__ import annotations
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
-from . import worker
+from .worker.state import attached
 
 
 class ObserveQueries:
@@ -30,7 +30,8 @@ class ObserveQueries:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         output = super().forward(  # type: ignore[misc]  # a mixin before vLLM's impl class
             layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
-        step = worker.active_observation()
+        worker = attached(layer)  # the model runner's WorkerCompression
+        step = None if worker is None else worker.step
         if step is not None and attn_metadata is not None:
             step.after_attention(layer.layer_name, query, kv_cache, output)
         return output

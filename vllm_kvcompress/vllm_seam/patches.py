@@ -71,19 +71,19 @@ vllm.entrypoints.openai.completion.serving | OpenAIServingCompletion | create_co
     | a JSON boolean among the kv_compress vllm_xargs is a 400 (the protocol would read true as 1)
 vllm.entrypoints.openai.chat_completion.serving | OpenAIServingChat | create_chat_completion
     | engine_args.wrap_openai_handler | method | same for chat completions
-vllm.v1.worker.gpu_worker | Worker | determine_available_memory | worker.wrap_determine_available_memory | method
+vllm.v1.worker.gpu_worker | Worker | determine_available_memory | worker.hooks.wrap_determine_available_memory | method
     | CUDA: the KV cache leaves room for the scores the profiling run never allocated
-vllm.v1.worker.gpu_model_runner | GPUModelRunner | initialize_kv_cache | worker.wrap_initialize_kv_cache | method
+vllm.v1.worker.gpu_model_runner | GPUModelRunner | initialize_kv_cache | worker.hooks.wrap_initialize_kv_cache | method
     | set up compression (and self-test the cache layout) once the KV cache exists
-vllm.v1.worker.gpu_model_runner | GPUModelRunner | _update_states | worker.wrap_update_states | method
+vllm.v1.worker.gpu_model_runner | GPUModelRunner | _update_states | worker.hooks.wrap_update_states | method
     | compact evicted KV and truncate block tables before new block ids are appended
-vllm.v1.worker.gpu_model_runner | GPUModelRunner | _prepare_inputs | worker.wrap_prepare_inputs | method
+vllm.v1.worker.gpu_model_runner | GPUModelRunner | _prepare_inputs | worker.hooks.wrap_prepare_inputs | method
     | physical slot mapping and seq_lens; positions (RoPE) stay logical
-vllm.v1.worker.gpu_model_runner | GPUModelRunner | sample_tokens | worker.wrap_sample_tokens | method
+vllm.v1.worker.gpu_model_runner | GPUModelRunner | sample_tokens | worker.hooks.wrap_sample_tokens | method
     | carry layer budgets decided from a prompt's attention back to the scheduler
 vllm.v1.core.kv_cache_utils | | get_kv_cache_groups | groups.wrap_get_kv_cache_groups | function
     | KV cache groups carry CompressedAttentionSpec; --kv-compress-layer-groups splits the layers
-vllm.v1.worker.utils | AttentionGroup | build_metadata | worker.wrap_build_metadata | method
+vllm.v1.worker.utils | AttentionGroup | build_metadata | worker.hooks.wrap_build_metadata | method
     | each KV cache group's seq_lens follow that group's physical length; fused decode rows attend one key
 vllm.v1.engine.core | EngineCore | kv_compress_stats | scheduler.make_engine_stats | method
     | a utility method so LLM/serve clients can read the scheduler's compression stats

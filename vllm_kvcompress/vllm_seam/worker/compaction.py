@@ -1,0 +1,197 @@
+"""Compaction: the step's evictions, before anything is written to the freed blocks.
+
+The scheduler has already given the evicted tail blocks back to the pool
+(this very step may hand them to other requests); here, before vLLM's
+`_update_states` appends new block ids, every layer of the compacting
+requests keeps its selected tokens at the front of its blocks (one kernel op
+per layer for all of them), MiniCache pairs are merged at their first
+compaction, and each KV cache group's block table is cut to its new length.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...compression import MergedUpper, RequestCompression
+from ...plan import Compaction
+from ...planner import cdiv
+from .step_inputs import padded, upload
+
+if TYPE_CHECKING:
+    from .state import WorkerCompression
+
+# A test hook (tests/test_reliability.py): the compaction of a request whose
+# prompt has this many tokens raises, as a bug or a failed allocation would.
+FAULT_ENV = "VLLM_KVCOMPRESS_FAIL_PROMPT_LEN"
+
+
+class InjectedFault(RuntimeError):
+    """The failure FAULT_ENV asks for."""
+
+
+
+
+
+def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -> None:
+    """Compact every layer of these requests to their KV cache groups' new
+    lengths (one kernel op per layer for all of them); truncate each group's table.
+
+    A group the scheduler copies (prefix caching: its blocks from the
+    protected start's on were cached or shared) gets the kept tokens from
+    there on in fresh blocks: the op's row for it is the fresh blocks
+    followed by the originals, and every kept token past the protected
+    start is read from the originals (indices shifted past the fresh ones).
+    """
+    # A request whose compression fails leaves the batch for the layers
+    # still to come (its cache is then unusable: the scheduler finishes
+    # it with an error); its block table is still cut as the scheduler
+    # planned, since those blocks are back in the pool.
+    states: list[RequestCompression | None] = [worker.states.get(c.request_id) for c in compactions]
+    group_ids = [[worker.runner.requests[c.request_id].block_ids[vg] for vg in worker.vllm_groups]
+                 for c in compactions]
+    for i, c in enumerate(compactions):
+        state = states[i]
+        with worker.isolated(c.request_id, "compaction"):
+            if state is None:
+                raise RuntimeError("no compression state")
+            if worker.fault_prompt_len is not None and state.plan.prompt_len == worker.fault_prompt_len:
+                raise InjectedFault(f"{FAULT_ENV}={worker.fault_prompt_len}")
+            for layer in range(worker.num_layers):
+                if state.num_tokens(layer) != c.old_lengths[worker.group_of_layer[layer]]:
+                    raise RuntimeError(
+                        f"layer {layer} tracks {state.num_tokens(layer)} tokens, scheduler says "
+                        f"{c.old_lengths[worker.group_of_layer[layer]]}")
+    live = [c.request_id not in worker.failed for c in compactions]
+    device = worker.device
+    bs = worker.block_size
+    tables, op_tables = {}, {}
+    # (first slot copied, fresh slots) per (request, group) that copies.
+    copied: dict[tuple[int, int], tuple[int, int]] = {}
+    for g in range(worker.num_groups):
+        rows, op_rows = [], []
+        for i, (c, ids) in enumerate(zip(compactions, group_ids)):
+            rows.append(ids[g])
+            copy = c.copies[g] if c.copies else None
+            if copy is None:
+                op_rows.append(ids[g])
+            else:
+                first, fresh = copy
+                op_rows.append(list(fresh) + ids[g][first:])
+                copied[i, g] = (first * bs, len(fresh) * bs)
+        tables[g] = padded(rows, device)
+        op_tables[g] = tables[g] if not any(k[1] == g for k in copied) else padded(op_rows, device)
+    # MiniCache pairs merge at their first compaction: both layers of a
+    # pair leave the batched op, and are written once both are selected.
+    merging = [{layer for pair in state.lower_of.items() for layer in pair} if state and not state.merged
+               else set() for state in states]
+    lower_kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer in range(worker.num_layers):
+        g = worker.group_of_layer[layer]
+        keys, values = worker.views(worker.layers[layer].kv_cache)
+        keeps: list[torch.Tensor | None] = [None] * len(compactions)
+        for i, (c, state) in enumerate(zip(compactions, states)):
+            if not live[i] or state is None:
+                continue
+            with worker.isolated(c.request_id, "selection"):
+                # Scorers that read the cached keys (R-KV's redundancy) get them dense.
+                dense = worker.ops.gather_dense(keys, tables[g][i], c.old_lengths[g]) \
+                    if state.scorer.needs_keys else None
+                keeps[i] = state.select(layer, c.new_lengths[g], dense)
+            live[i] = keeps[i] is not None
+        selected = {i: k for i, k in enumerate(keeps) if k is not None and live[i] and layer not in merging[i]}
+        batch = list(selected)
+        if batch:
+            op_keeps = [_copy_indices(k, *copied[i, g]) if (i, g) in copied else k for i, k in selected.items()]
+            width = max(k.shape[1] for k in op_keeps)
+            keep_idx = torch.zeros(len(op_keeps), worker.num_kv_heads, width, dtype=torch.int64)
+            for j, k in enumerate(op_keeps):
+                keep_idx[j, :, : k.shape[1]] = k
+            counts = torch.tensor([[k.shape[1]] * worker.num_kv_heads for k in op_keeps], dtype=torch.int64)
+            table = op_tables[g] if len(batch) == len(keeps) else op_tables[g][upload(torch.tensor(batch), device)]
+            worker.ops.compact_kv_batched(keys, values, table, upload(keep_idx, device), upload(counts, device))
+        for i in range(len(keeps)):
+            keep, state = keeps[i], states[i]
+            if not live[i] or keep is None or state is None:
+                continue
+            with worker.isolated(compactions[i].request_id, "compaction"):
+                if layer in merging[i]:
+                    old = compactions[i].old_lengths[g]
+                    kept = (_kept_dense(worker.ops, keys, tables[g][i], old, keep),
+                            _kept_dense(worker.ops, values, tables[g][i], old, keep))
+                    lower = state.lower_of.get(layer)
+                    if lower is None:
+                        lower_kept[i, layer] = kept
+                    else:
+                        _merge_pair(worker, compactions[i], state, lower, layer, lower_kept.pop((i, lower)), kept,
+                                         group_ids[i])
+                state.compact(layer, keep)
+            live[i] = compactions[i].request_id not in worker.failed
+    for i, (c, state, ids) in enumerate(zip(compactions, states, group_ids)):
+        if live[i] and state is not None:
+            with worker.isolated(c.request_id, "compaction"):
+                state.finish_compaction()
+        row = worker.runner.input_batch.req_id_to_index.get(c.request_id)
+        for g, new_len in enumerate(c.new_lengths):
+            copy = c.copies[g] if c.copies else None
+            if copy is not None:
+                ids[g][copy[0]:] = copy[1]
+            del ids[g][cdiv(new_len, worker.block_size):]
+            if row is not None:
+                table = worker.runner.input_batch.block_table[worker.vllm_groups[g]]
+                table.clear_row(row)
+                table.add_row(ids[g], row)
+
+
+def _merge_pair(worker: WorkerCompression, c: Compaction, state: RequestCompression, lower: int, upper: int,
+                lower_kv: tuple[torch.Tensor, torch.Tensor], upper_kv: tuple[torch.Tensor, torch.Tensor],
+                ids: list[list[int]]) -> None:
+    """MiniCache on one pair of a compaction: the lower layer's first
+    slots get the stored (merged or exact) vectors, the upper layer's
+    first ones its retained exact vectors (merge.py).
+
+    `*_kv`: the pair's kept tokens [Hkv, T, D] in their new slot order,
+    read before anything was written; `ids`: the request's block ids per
+    group before this compaction (a group that copies writes to its fresh blocks).
+    """
+    g_lo, g_up = worker.group_of_layer[lower], worker.group_of_layer[upper]
+    key, value = state.plan.merge.merge_pair(lower_kv, upper_kv)
+    tokens, retained = key.slot.shape[1], key.retained.shape[1]
+    if tokens != c.new_lengths[g_lo] or retained != c.new_lengths[g_up]:
+        raise RuntimeError(f"kv_compress: request {c.request_id} merges {tokens} tokens ({retained} retained) "
+                           f"of layers {lower} and {upper}, scheduler planned {c.new_lengths[g_lo]} and "
+                           f"{c.new_lengths[g_up]} slots")
+    for layer, g, k, v in ((lower, g_lo, key.lower, value.lower), (upper, g_up, key.retained, value.retained)):
+        copy = c.copies[g] if c.copies else None
+        row = ids[g] if copy is None else ids[g][: copy[0]] + list(copy[1])
+        _write_slots(*worker.views(worker.layers[layer].kv_cache), row, k, v)
+    state.merged[upper] = MergedUpper.of(lower, key, value)
+
+
+def _copy_indices(keep: torch.Tensor, first: int, fresh: int) -> torch.Tensor:
+    """Kept indices [Hkv, K] -> the op's, for a row of `fresh` slots of new
+    blocks followed by the original blocks from slot `first` on: slots before
+    `first` stay (the protected start keeps them in place), every other kept
+    token is copied from the originals."""
+    if first and not bool((keep[:, :first] == torch.arange(first)).all()):
+        raise RuntimeError("kv_compress: a compaction would move tokens of the protected start")
+    return keep[:, first:] - first + fresh
+
+
+def _kept_dense(ops, view: torch.Tensor, row: torch.Tensor, length: int, keep: torch.Tensor) -> torch.Tensor:
+    """The kept tokens [Hkv, K, D] of one request's layer, in the order `keep` [Hkv, K] lists them."""
+    dense = ops.gather_dense(view, row, length)
+    return torch.gather(dense, 1, keep.to(dense.device).unsqueeze(-1).expand(-1, -1, dense.shape[-1]))
+
+
+def _write_slots(key_view: torch.Tensor, value_view: torch.Tensor, row, keys: torch.Tensor,
+                 values: torch.Tensor) -> None:
+    """Write [Hkv, n, D] keys and values into slots 0..n-1 of a request's blocks `row`."""
+    n, block = keys.shape[1], key_view.shape[1]
+    slots = torch.arange(n, device=key_view.device)
+    blocks = torch.as_tensor(row, dtype=torch.int64).to(key_view.device)[slots // block]
+    key_view[blocks, slots % block] = keys.transpose(0, 1).to(key_view.dtype)
+    value_view[blocks, slots % block] = values.transpose(0, 1).to(value_view.dtype)
+
+

@@ -1,0 +1,143 @@
+"""Start-up: what the worker checks and sizes before anything is served.
+
+The cache layout self-test against vLLM's own cache writer, the attention
+features whose scores would not be the model's attention, this worker's
+tensor-parallel heads, and the KV cache size that leaves room for the scores.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...compression import score_bytes_per_kv_byte
+from ...config import CONFIG_KEY
+from ...sharding import ONE_DEVICE, HeadShard
+
+logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
+
+
+def _write_cpu_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    from vllm import _custom_ops as ops
+
+    _, heads, block, two_d = scratch.shape
+    key_cache, value_cache = scratch.view(2, heads, 2 * block, two_d // 2).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(len(key)), layer.isa)
+
+
+def _write_flash_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    from vllm import _custom_ops as ops
+
+    key_cache, value_cache = scratch.transpose(1, 2).split(scratch.shape[-1] // 2, dim=-1)
+    slots = torch.arange(len(key), device=scratch.device)
+    ops.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", layer._k_scale, layer._v_scale)
+
+
+# attention backend -> vLLM's own cache writer, for the layout self-test
+CACHE_WRITERS = {"CPU_ATTN": _write_cpu_attn, "FLASH_ATTN": _write_flash_attn}
+
+
+def check_layout(layer, views, ops, write, backend: str) -> None:
+    """Refuse to run unless our reader sees what vLLM's own writer wrote.
+
+    A cache's inner layout depends on the backend, the instruction-set path
+    and the cache dtype; reading it wrong would corrupt output silently.
+    """
+    if layer.impl.kv_cache_dtype != "auto":
+        raise RuntimeError(f"kv_compress: KV cache dtype {layer.impl.kv_cache_dtype!r} is not supported (use auto)")
+    cache = layer.kv_cache
+    _, heads, block, two_d = cache.shape
+    dim, n = two_d // 2, block + 3
+    scratch = torch.zeros_like(cache[:2])  # two blocks, the cache's own strides
+    key = torch.randn(n, heads, dim).to(cache.dtype).to(cache.device)
+    value = torch.randn(n, heads, dim).to(cache.dtype).to(cache.device)
+    write(layer, scratch, key, value)
+    key_view, value_view = views(scratch)
+    blocks = torch.arange(2, device=cache.device)
+    keys, values = ops.gather_dense(key_view, blocks, n), ops.gather_dense(value_view, blocks, n)
+    if not (torch.equal(keys, key.transpose(0, 1)) and torch.equal(values, value.transpose(0, 1))):
+        raise RuntimeError(
+            f"kv_compress: unknown {backend} KV cache layout (shape {tuple(cache.shape)}, "
+            f"strides {cache.stride()}, dtype {cache.dtype}); refusing to compact"
+        )
+
+
+def check_scoring_exact(layer) -> None:
+    """Refuse attention the scoring ops would not reproduce.
+
+    Scores (and the per-head masked pass) are softmax(scale * q.k): a logit
+    soft cap (Gemma 2), ALiBi slopes or attention sinks (gpt-oss) change the
+    attention, so the scores would be of a different attention than the model's.
+    """
+    impl = layer.impl
+    for attr, what in (("logits_soft_cap", "an attention logit soft cap"), ("alibi_slopes", "ALiBi slopes"),
+                       ("sinks", "attention sinks")):
+        if getattr(impl, attr, None) not in (None, 0, 0.0):
+            raise RuntimeError(f"kv_compress cannot be served with {what} (layer {layer.layer_name}); "
+                               f"its scores would not be the model's attention")
+
+
+def gather_failed(failed: list[str]) -> list[str]:
+    """The union of every tensor-parallel rank's failed requests (a count
+    first, over the ranks' CPU group: the ids travel only when there are some)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group().cpu_group
+    count = torch.tensor([len(failed)])
+    dist.all_reduce(count, group=group)
+    if not int(count):
+        return failed
+    everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, failed, group=group)
+    return sorted({rid for ids in everyone for rid in ids or ()})
+
+
+def tensor_parallel_shard() -> HeadShard:
+    """This worker's heads among vLLM's tensor-parallel ranks (a slice of every layer's)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        get_tp_group,
+    )
+
+    size = get_tensor_model_parallel_world_size()
+    if size == 1:
+        return ONE_DEVICE
+    group = get_tp_group()
+    return HeadShard(rank=get_tensor_model_parallel_rank(), size=size,
+                     gather=lambda local: group.all_gather(local, dim=0))
+
+
+
+def wrap_determine_available_memory(original):
+    """CUDA: leave room for the scores beside the KV cache vLLM sizes.
+
+    vLLM gives the KV cache what its profiling run leaves free; the plugin's
+    per-request scores (float32 per query head and cached token, on the
+    device while a policy needs them) grow with the cached tokens and were
+    never part of that run. Worst case every cached token carries scores, so
+    the cache gets B / (1 + f) of the B bytes, f = score bytes per KV byte
+    (about 3% for 4 query heads per KV head, head_dim 128, bf16). The CPU
+    worker sizes its cache from VLLM_CPU_KVCACHE_SPACE instead (its own
+    method; this one is not called there)."""
+
+    def determine_available_memory(self) -> int:
+        available = original(self)
+        if CONFIG_KEY not in (self.vllm_config.additional_config or {}) or self.cache_config.kv_cache_memory_bytes:
+            return available  # off, or the user sized the KV cache in bytes: scores come on top
+        if self.cache_config.cache_dtype != "auto":  # check_layout refuses other cache dtypes at startup
+            return available
+        model, parallel = self.model_config, self.parallel_config
+        ratio = score_bytes_per_kv_byte(model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel),
+                                        model.get_head_size(), model.dtype.itemsize)
+        kept = int(available / (1 + ratio))
+        logger.info("kv_compress: %.2f GiB of %.2f GiB left for the KV cache; %.2f GiB for scores "
+                    "(%.1f%% of the KV bytes)", kept / 2**30, available / 2**30, (available - kept) / 2**30,
+                    100 * ratio)
+        return kept
+
+    return determine_available_memory
+
+

@@ -1,0 +1,198 @@
+"""WorkerCompression: one model runner's compression state, and what it does before each step.
+
+Per step, around vLLM's V1 GPUModelRunner (also the CPU runner's base):
+  _update_states (before): drop ended requests, start new ones, run the
+      step's compactions (compaction.py), truncate block tables;
+  _prepare_inputs (after): slot mapping and seq_lens become physical,
+      positions (RoPE) stay logical; the step's attention passes
+      (step_inputs.py);
+  attention forward (attention.py -> attention_passes.py): redo rows whose
+      KV heads keep different counts or whose layer is merged, attend fused
+      decode rows, score observed queries;
+  sample_tokens (after): return layer budgets derived from a prompt's
+      attention, and failed requests, to the scheduler (hooks.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from ...cache_layout import LAYOUTS, KVViews
+from ...compression import RequestCompression
+from ...config import CONFIG_KEY, KVCompressConfig
+from ...kernels import get_ops
+from ...plan import PLAN_ATTR, ReportedBudgets, StepPlan
+from ...sharding import HeadShard
+from ..groups import CompressedLayers, layer_index
+from ..metrics import SnapshotWriter
+from .attention_passes import StepPasses
+from .compaction import FAULT_ENV, compact_requests
+from .startup import CACHE_WRITERS, check_layout, check_scoring_exact, gather_failed, tensor_parallel_shard
+from .step_inputs import MetadataEdits
+
+logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
+
+
+class WorkerCompression:
+    """Compression state of one model runner."""
+
+    def __init__(self, runner) -> None:
+        config = KVCompressConfig.from_dict(runner.vllm_config.additional_config[CONFIG_KEY])
+        context = runner.compilation_config.static_forward_context
+        attn_layers = {layer_index(name): m for name, m in context.items()
+                       if hasattr(m, "kv_cache") and hasattr(m, "impl")}
+        groups = runner.kv_cache_config.kv_cache_groups
+        # Only full-attention layers compress (a hybrid model's sliding-window
+        # layers run as in vLLM). "Layer" and "group" below count compressed
+        # ones; `vllm_groups` maps a group to vLLM's KV cache group id.
+        compressed = CompressedLayers.from_groups(groups)
+        if sorted(attn_layers) != list(range(len(attn_layers))) or not set(compressed.layers) <= set(attn_layers):
+            raise RuntimeError(f"kv_compress: unexpected attention layers {sorted(attn_layers)}")
+        layers = [attn_layers[i] for i in compressed.layers]
+        for layer in layers:
+            check_scoring_exact(layer)
+        block_size = groups[compressed.vllm_groups[0]].kv_cache_spec.block_size
+        for g in compressed.vllm_groups:
+            table = runner.input_batch.block_table[g]
+            if table.block_size != block_size:
+                raise RuntimeError(
+                    f"kv_compress: kernel block size {table.block_size} differs from the KV manager's "
+                    f"{block_size}; choose --block-size as a multiple of 32 that the backend uses as is"
+                )
+        # Dispatch, once: the cache views by attention backend, the kernel
+        # ops by device (Triton on CUDA, torch elsewhere).
+        backend = layers[0].attn_backend.get_name()
+        if backend not in LAYOUTS:
+            raise RuntimeError(
+                f"kv_compress: attention backend {backend} is not supported (CPU_ATTN on CPU, "
+                f"FLASH_ATTN on CUDA); refusing to compact a cache layout it does not know"
+            )
+        self.setup(runner, layers, compressed.group_of_layer, compressed.vllm_groups, compressed.num_vllm_groups,
+                   block_size, LAYOUTS[backend], tensor_parallel_shard())
+        check_layout(layers[0], self.views, self.ops, CACHE_WRITERS[backend], backend)
+        # The attention backend and the metadata builders find this worker on
+        # the objects they are called with (every attention layer and group).
+        for module in attn_layers.values():
+            attach(module, self)
+        for attention_group in (g for groups in runner.attn_groups for g in groups):
+            attach(attention_group, self)
+        logger.info("kv_compress worker ready (pid %d, tensor-parallel rank %d of %d): %s, %d layers, block %d, "
+                    "%s cache, %s ops", os.getpid(), self.shard.rank, self.shard.size, config.to_dict(),
+                    self.num_layers, self.block_size, backend, self.ops.backend)
+
+    def setup(self, runner, layers, group_of_layer, vllm_groups, num_vllm_groups: int, block_size: int,
+              views: Callable[[torch.Tensor], KVViews], shard: HeadShard) -> None:
+        """The state every step reads, from the compressed attention layers
+        (each with `layer_name`, `kv_cache`, `num_heads`, `num_kv_heads` and
+        `impl.scale`) and the runner's per-request block ids
+        (`runner.requests[id].block_ids`). The GPU harness without vLLM
+        (kvc_tools.paged_decoder) builds a worker through here as well."""
+        self.runner = runner
+        self.layers = list(layers)
+        self.layer_of = {layer.layer_name: i for i, layer in enumerate(self.layers)}
+        first = self.layers[0]
+        self.num_layers = len(self.layers)
+        self.num_kv_heads = first.num_kv_heads  # this rank's (tensor parallelism splits heads)
+        self.num_q_heads = first.num_heads
+        self.shard = shard
+        self.scales = [layer.impl.scale for layer in self.layers]
+        self.group_of_layer = list(group_of_layer)
+        self.vllm_groups = vllm_groups
+        self.num_vllm_groups = num_vllm_groups
+        self.num_groups = len(self.vllm_groups)
+        self.block_size = block_size
+        self.views = views
+        self.device = first.kv_cache.device
+        self.ops = get_ops(self.device.type)
+        self.states: dict[str, RequestCompression] = {}
+        self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group
+        # Per-layer budgets decided from this step's attention, for the scheduler.
+        self.reported: list[ReportedBudgets] = []
+        self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
+        self.snapshot = SnapshotWriter("worker")
+        # Requests whose compression raised in this step -> why: each fails
+        # alone (the scheduler finishes it with an error), the others go on.
+        self.failed: dict[str, str] = {}
+        self.compressing = False  # this step runs requests with a plan (the same on every rank)
+        # The attention passes and metadata edits of the running step (step_inputs).
+        self.step: StepPasses | None = None
+        self.metadata_edits: MetadataEdits | None = None
+        fault = os.environ.get(FAULT_ENV, "")
+        self.fault_prompt_len = int(fault) if fault.isdigit() else None
+
+    # ------------------------------------------------------------ failures
+
+    @contextlib.contextmanager
+    def isolated(self, request_id: str, what: str):
+        """One request's compression work: whatever it raises fails that
+        request alone (its state is dropped, the scheduler finishes it with
+        an error) and the step goes on for the others. Batched ops over
+        several requests are not run inside: their sizes are checked and their
+        scratch bounded by construction (README, Reliability)."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any failure of one request's compression
+            self.fail(request_id, what, e)
+
+    def fail(self, request_id: str, what: str, error: BaseException) -> None:
+        if request_id in self.failed:
+            return
+        logger.error("kv_compress %s: %s failed (%s: %s); the request finishes with an error, the others go on",
+                     request_id, what, type(error).__name__, error, exc_info=error)
+        self.failed[request_id] = f"{what}: {type(error).__name__}: {error}"
+        self.states.pop(request_id, None)
+
+    def take_failed(self) -> list[str]:
+        """This step's failed requests, over every tensor-parallel rank (a
+        failure on one rank alone, say a device allocation, fails the request
+        everywhere); called by every rank at the end of a step."""
+        failed, self.failed = sorted(self.failed), {}
+        if self.shard.size > 1 and self.compressing:
+            failed = gather_failed(failed)
+        return failed
+
+    # ------------------------------------------------------------ _update_states
+
+    def before_update_states(self, so) -> None:
+        self.step = None
+        self.metadata_edits = None
+        plan: StepPlan = getattr(so, PLAN_ATTR, None) or StepPlan()
+        for rid in so.finished_req_ids:
+            self.states.pop(rid, None)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            self.states.pop(rid, None)
+        self.compressing = plan.compressing
+        for started in plan.started:
+            self.states.pop(started.request_id, None)
+            if started.plan is not None:
+                with self.isolated(started.request_id, "start"):
+                    self.states[started.request_id] = RequestCompression(
+                        started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard, self.device)
+        if plan.compactions:
+            start = time.perf_counter()
+            compact_requests(self, plan.compactions)
+            self.seconds["compaction"] += time.perf_counter() - start
+            self.snapshot.write(self.seconds)
+        self.evicted = plan.evicted
+
+
+
+
+# The one attribute the plugin sets on vLLM's objects (the model runner, its
+# attention layers and attention groups): the runner's WorkerCompression.
+WORKER_KEY = "kv_compress_worker"
+
+
+def attach(owner, worker: WorkerCompression | None) -> None:
+    owner.__dict__[WORKER_KEY] = worker
+
+
+def attached(owner) -> WorkerCompression | None:
+    """The WorkerCompression attached to a runner, attention layer or attention group (None: none)."""
+    return owner.__dict__.get(WORKER_KEY)

@@ -1,0 +1,242 @@
+"""The step's inputs: physical slots and lengths, metadata edits, which queries are observed.
+
+After vLLM's `_prepare_inputs` (`prepare_inputs`): each request's slot
+mapping follows its physical (compacted) cache, seq_lens its physical length
+per KV cache group, while positions (RoPE) stay logical; fused decode rows
+attend one key in vLLM's kernel (`MetadataEdits`); and the step's requests
+are sorted into the attention passes they need (`step_passes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ...compression import RequestCompression
+
+if TYPE_CHECKING:
+    from .attention_passes import StepPasses
+    from .state import WorkerCompression
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA through pinned memory, asynchronously:
+    a copy from pageable memory would wait for the device (a host sync)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def padded(rows, device: torch.device) -> torch.Tensor:
+    """Block id rows (host lists, or tensors already on `device`) as one
+    [R, widest] table on `device` (zero padded)."""
+    if not all(isinstance(r, torch.Tensor) for r in rows):
+        table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+        return upload(table, device)
+    table = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.int64, device=device)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = r
+    return table
+
+
+
+@dataclass
+class StepRequest:
+    """One request's queries in the running step, and where its cache is.
+    Index tensors are on the cache's device (uploaded once per step, read by
+    every layer); logical positions stay on the host, where decisions are made."""
+
+    request_id: str
+    state: RequestCompression
+    token_idx: torch.Tensor  # rows of the step's query tensor
+    q_logical: torch.Tensor  # [n] logical (RoPE) positions, on the host
+    # Per KV cache group: physical slots of the queries, keys visible, block ids.
+    q_physical: list[torch.Tensor]
+    seq_lens: list[int]
+    block_ids: list[torch.Tensor]
+
+
+@dataclass
+class ScoringBatch:
+    """The step's plain-softmax observed queries of one KV cache group, as the
+    batched kernel op takes them (built once per step and group)."""
+
+    requests: list[StepRequest]
+    token_idx: torch.Tensor
+    cu_q_lens: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    q_positions: torch.Tensor
+    max_seq_len: int
+    max_q_len: int
+
+    @classmethod
+    def build(cls, requests: list[StepRequest], group: int, device) -> ScoringBatch:
+        lens = [len(r.token_idx) for r in requests]
+        seq_lens = [r.seq_lens[group] for r in requests]
+        return cls(
+            requests=requests,
+            token_idx=torch.cat([r.token_idx for r in requests]),
+            cu_q_lens=upload(torch.tensor([0, *np.cumsum(lens)], dtype=torch.int64), device),
+            block_tables=padded([r.block_ids[group] for r in requests], device),
+            seq_lens=upload(torch.tensor(seq_lens, dtype=torch.int64), device),
+            q_positions=torch.cat([r.q_physical[group] for r in requests]),
+            max_seq_len=max(seq_lens),
+            max_q_len=max(lens),
+        )
+
+
+
+@dataclass(frozen=True)
+class MetadataEdits:
+    """How this step's attention metadata differs, per vLLM KV cache group,
+    from the seq_lens the runner computed (vLLM group 0's physical lengths)."""
+
+    num_reqs: int
+    # vLLM group (other than 0) -> [num_reqs] int32, host: how much shorter
+    # than group 0 each request's physical length is.
+    deltas: dict[int, torch.Tensor]
+    # Rows (requests) whose attention `attend_fused` computes in the
+    # compressed groups: vLLM's kernel attends one key for them (seq_len 1,
+    # a valid row for every backend) instead of reading their whole cache.
+    fused_rows: torch.Tensor  # host int64
+    fused_rows_device: torch.Tensor  # the same, on the seq_lens' device
+    compressed_groups: frozenset[int]
+
+    def apply(self, cm, vllm_group: int):
+        """vLLM's CommonAttentionMetadata `cm` for this group, edited (a copy;
+        `cm` itself is shared by every group)."""
+        delta = self.deltas.get(vllm_group)
+        fuse = vllm_group in self.compressed_groups and len(self.fused_rows) > 0
+        if delta is None and not fuse:
+            return cm
+        if cm.num_reqs != self.num_reqs:
+            raise RuntimeError(f"kv_compress: metadata for {cm.num_reqs} requests, step planned {self.num_reqs}")
+        seq_lens = cm.seq_lens.clone()
+        upper = cm.seq_lens_cpu_upper_bound
+        upper = None if upper is None else upper.clone()
+        max_seq_len = cm.max_seq_len  # still an upper bound where fused rows shrink
+        if delta is not None:
+            seq_lens[: len(delta)] -= upload(delta, seq_lens.device).to(seq_lens.dtype)
+            if upper is not None:
+                upper[: len(delta)] -= delta.to(upper.dtype)
+            # This group may be longer than group 0: the longest from the host
+            # bound when there is one (no read-back).
+            bound = upper if upper is not None else seq_lens
+            max_seq_len = max(max_seq_len, int(bound[: len(delta)].max()) if len(delta) else 0)
+        if fuse:
+            seq_lens[self.fused_rows_device] = 1
+            if upper is not None:
+                upper[self.fused_rows] = 1
+        return cm.replace(seq_lens=seq_lens, seq_lens_cpu_upper_bound=upper, max_seq_len=max_seq_len,
+                          _num_computed_tokens_cache=None)
+
+
+
+def prepare_inputs(worker: WorkerCompression, num_scheduled_tokens: np.ndarray) -> None:
+    """After vLLM's `_prepare_inputs`: slot mapping and seq_lens become
+    physical (positions, RoPE, stay logical); the step's attention passes and
+    metadata edits go to the worker, where the attention backend and the
+    metadata builders find them."""
+    runner = worker.runner
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    req_ids = batch.req_ids[:num_reqs]
+    total = int(num_scheduled_tokens.sum())
+    starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
+    none = (0,) * worker.num_groups
+    evicted = np.array([worker.evicted.get(rid, none) for rid in req_ids], dtype=np.int64).reshape(num_reqs, -1)
+    # Per vLLM KV cache group (a sliding-window group evicts nothing of ours).
+    offsets = np.zeros((num_reqs, worker.num_vllm_groups), dtype=np.int64)
+    offsets[:, list(worker.vllm_groups)] = evicted
+    positions = runner.positions[:total]
+    # The same logical positions on the host, as vLLM derives them (its
+    # tensor may be on the GPU: reading it back would be a host sync).
+    positions_host = torch.from_numpy(
+        np.repeat(batch.num_computed_tokens_cpu[:num_reqs] - starts, num_scheduled_tokens) + np.arange(total)
+    ).to(torch.int64)
+    if positions.device.type == "cpu" and not torch.equal(positions, positions_host):
+        raise RuntimeError("kv_compress: the runner's positions are not num_computed_tokens + query offset")
+    physical_host = [positions_host] * worker.num_groups
+    deltas: dict[int, torch.Tensor] = {}
+    if offsets.any():
+        for g, vg in enumerate(worker.vllm_groups):
+            if offsets[:, vg].any():
+                per_token = torch.from_numpy(np.repeat(offsets[:, vg], num_scheduled_tokens))
+                physical_host[g] = positions_host - per_token
+                batch.block_table[vg].compute_slot_mapping(
+                    num_reqs, runner.query_start_loc.gpu[: num_reqs + 1],
+                    positions - upload(per_token, positions.device))
+        # seq_lens are shared by all groups' metadata: vLLM group 0's lengths
+        # here, the other groups' differences applied when their metadata is built.
+        off = torch.from_numpy(offsets[:, 0]).to(torch.int32)
+        runner.seq_lens[:num_reqs] -= upload(off, runner.seq_lens.device).to(runner.seq_lens.dtype)
+        runner.optimistic_seq_lens_cpu[:num_reqs] -= off.to(runner.optimistic_seq_lens_cpu.dtype)
+        deltas = {g: torch.from_numpy(offsets[:, g] - offsets[:, 0]).to(torch.int32)
+                  for g in range(1, worker.num_vllm_groups) if (offsets[:, g] != offsets[:, 0]).any()}
+    step = step_passes(worker, req_ids, starts, num_scheduled_tokens, positions_host, physical_host)
+    worker.step = step
+    fused = torch.tensor(step.fused_rows if step is not None else [], dtype=torch.int64)
+    if deltas or len(fused):
+        worker.metadata_edits = MetadataEdits(num_reqs, deltas, fused, upload(fused, runner.seq_lens.device),
+                                              frozenset(worker.vllm_groups))
+
+def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens, positions_host: torch.Tensor,
+                physical_host: list[torch.Tensor]) -> StepPasses | None:
+    """The step's queries to observe, mask or merge (None: none): request
+    i's queries are rows starts[i]..+num_scheduled_tokens[i], at logical
+    `positions_host` and per group physical `physical_host` (host tensors)."""
+    from .attention_passes import StepPasses  # it reads the step's requests, as built here
+
+    step = StepPasses(worker)
+    for i, rid in enumerate(req_ids):
+        state = worker.states.get(rid)
+        if state is None:
+            continue
+        with worker.isolated(rid, "observation"):
+            _add_request(worker, step, i, rid, state, slice(int(starts[i]), int(starts[i]) +
+                                                             int(num_scheduled_tokens[i])),
+                                  positions_host, physical_host)
+    return step if step.observed or step.masked or step.merged else None
+
+def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, state: RequestCompression,
+                 sl: slice,
+                     positions_host: torch.Tensor, physical_host: list[torch.Tensor]) -> None:
+    """Request i (rows `sl` of the step) into the step's observed, fused,
+    masked and merged lists, as its state asks."""
+    q_log = positions_host[sl]
+    state.append(q_log)
+    observed = state.observed(q_log)
+    masked = any(d is not None for d in state.dead)
+    if observed.any():
+        request = _step_request(worker, rid, state, sl, observed, q_log, physical_host)
+        step.observed.append(request)
+        # One query observed with a plain softmax: it sees every
+        # cached slot, so its attention and its scores are one pass.
+        if len(q_log) == 1 and not state.noisy and not masked and not state.merged:
+            step.fused.append(request)
+            step.fused_rows.append(i)
+    if masked:
+        step.masked.append(_step_request(worker, rid, state, sl, slice(None), q_log, physical_host))
+    if state.merged:
+        step.merged.append(_step_request(worker, rid, state, sl, slice(None), q_log, physical_host))
+
+def _step_request(worker: WorkerCompression, rid: str, state: RequestCompression, sl: slice, mask, q_log,
+                  physical) -> StepRequest:
+    """A request's selected queries in this step, its index tensors
+    uploaded to the cache's device once (`physical`: host positions)."""
+    return StepRequest(
+        request_id=rid, state=state, token_idx=upload(torch.arange(sl.start, sl.stop)[mask], worker.device),
+        q_logical=q_log[mask],
+        q_physical=[upload(p[sl][mask], worker.device) for p in physical],
+        seq_lens=[int(p[sl.stop - 1]) + 1 for p in physical],
+        block_ids=[upload(torch.tensor(worker.runner.requests[rid].block_ids[vg], dtype=torch.int64), worker.device)
+                   for vg in worker.vllm_groups],
+    )
+
+
