@@ -99,7 +99,7 @@ def build_inputs(a, device: str):
     bt = torch.randperm(nblocks, generator=g).reshape(R, nb).to(torch.int32)
     kv = torch.randn(nblocks, H, bs, 2 * D, generator=g).to(dt)  # vLLM 0.32's cache tensor
     kv, bt = kv.to(device), bt.to(device)
-    key_cache, value_cache = K.reference.split_kv_cache(kv)
+    key_cache, value_cache = K.torch_ops.split_kv_cache(kv)
     W = min(a.window, T)
     inp = dict(
         kv=kv, key_cache=key_cache, value_cache=value_cache, bt=bt,
@@ -192,7 +192,7 @@ def attention_baselines(a, inp) -> tuple[list[tuple[str, Callable[[], torch.Tens
     R, T = a.num_reqs, a.seq_len
     scale = a.head_dim**-0.5
     q = inp["q_dec"]
-    dense = [torch.stack([K.reference.gather_dense(c, inp["bt"][r], T) for r in range(R)])
+    dense = [torch.stack([K.torch_ops.gather_dense(c, inp["bt"][r], T) for r in range(R)])
              for c in (inp["key_cache"], inp["value_cache"])]  # [R, Hkv, T, D] each
 
     def sdpa() -> torch.Tensor:
@@ -225,7 +225,7 @@ def decode_lse(inp, a) -> torch.Tensor:
     R, H, G, D = a.num_reqs, a.num_kv_heads, a.group, a.head_dim
     out = torch.empty(R, H * G, device=inp["q_dec"].device)
     for r in range(R):
-        kd = K.reference.gather_dense(inp["key_cache"], inp["bt"][r], a.seq_len).float()
+        kd = K.torch_ops.gather_dense(inp["key_cache"], inp["bt"][r], a.seq_len).float()
         x = torch.matmul(inp["q_dec"][r].float().reshape(H, G, D), kd.transpose(-1, -2)) * D**-0.5
         out[r] = torch.logsumexp(x, -1).reshape(-1)
     return out

@@ -7,7 +7,7 @@ Installed as ``vllm_kvcompress.kernels``. Pick the implementation once at startu
     ops.window_scores_batched(...); ops.accumulate_decode_scores(...); ops.compact_kv_batched(...)
 
 Both namespaces expose the same functions with the same signatures and math
-(see ``reference.py``), the operation list ``OP_NAMES`` that the worker calls on every
+(see ``torch_ops.py``), the operation list ``OP_NAMES`` that the worker calls on every
 device: ``split_kv_cache, gather_dense, window_scores_batched, accumulate_decode_scores,
 decode_attention_with_scores, compact_kv_batched, merged_attention``; both also have
 ``check_keep_idx``. ``split_kv_cache`` and ``gather_dense`` are the torch versions in
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import types
 
-from . import reference
+from . import torch_ops
 
-__all__ = ["get_ops", "triton_ops", "triton_available", "reference", "OP_NAMES"]
+__all__ = ["get_ops", "triton_ops", "triton_available", "torch_ops", "OP_NAMES"]
 
-OP_NAMES = reference.OP_NAMES
+OP_NAMES = torch_ops.OP_NAMES
 
 
 def triton_available() -> bool:
@@ -43,7 +43,7 @@ def triton_available() -> bool:
 def _namespace(mod, backend: str) -> types.SimpleNamespace:
     ns = types.SimpleNamespace(**{name: getattr(mod, name) for name in OP_NAMES})
     ns.backend = backend
-    ns.check_keep_idx = reference.check_keep_idx
+    ns.check_keep_idx = torch_ops.check_keep_idx
     return ns
 
 
@@ -64,4 +64,4 @@ def get_ops(device_type: str = "cpu", prefer_triton: bool = True) -> types.Simpl
     """
     if device_type == "cuda" and prefer_triton and triton_available():
         return triton_ops()
-    return _namespace(reference, "torch")
+    return _namespace(torch_ops, "torch")

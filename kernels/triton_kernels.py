@@ -1,6 +1,6 @@
 """Triton kernels for KV compression (paged vLLM FlashAttention layout).
 
-Same signatures and math as ``reference.py`` (the oracle); see its docstrings for the
+Same signatures and math as ``torch_ops.py`` (the oracle); see its docstrings for the
 layout. Import this module lazily (``kernels.get_ops('cuda')``): it imports Triton.
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors (used by the tests).
 
@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import (
+from .torch_ops import (
     OP_NAMES,  # the shared operation list
     LogitsTransform,
     _check_decode_attention,
@@ -51,8 +51,8 @@ from .reference import (
 
 # Torch versions reused on the Triton path (a view and one gather, not fused);
 # re-exported: they are part of the operation list.
-from .reference import gather_dense as gather_dense  # noqa: E402
-from .reference import split_kv_cache as split_kv_cache  # noqa: E402
+from .torch_ops import gather_dense as gather_dense  # noqa: E402
+from .torch_ops import split_kv_cache as split_kv_cache  # noqa: E402
 
 __all__ = list(OP_NAMES)
 
@@ -268,7 +268,7 @@ def window_scores_batched(
     block_n: int = 64,
     max_rows: int = 64,
 ) -> torch.Tensor:
-    """Triton version of :func:`reference.window_scores_batched` (scores added into
+    """Triton version of :func:`torch_ops.window_scores_batched` (scores added into
     ``out [B, Hq, max_T]``). Pass ``out`` (or ``max_seq_len``) and ``max_q_len`` to avoid
     host syncs. ``split_len``: keys per program (default: ``T/64``, at least 512)."""
     _check_cache(key_cache, "key_cache")
@@ -438,7 +438,7 @@ def accumulate_decode_scores(
     split_len: Optional[int] = None,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """Triton version of :func:`reference.accumulate_decode_scores` (in place, returned).
+    """Triton version of :func:`torch_ops.accumulate_decode_scores` (in place, returned).
 
     Design (K is read exactly once):
 
@@ -670,7 +670,7 @@ def decode_attention_with_scores(
     split_len: Optional[int] = None,
     block_n: int = 64,
 ) -> torch.Tensor:
-    """Triton version of :func:`reference.decode_attention_with_scores` (``out``
+    """Triton version of :func:`torch_ops.decode_attention_with_scores` (``out``
     returned, probabilities added into ``scores_out`` in place unless it is ``None``).
 
     Design (K and V are read exactly once, attention and scores alike). Launch 1, grid
@@ -810,7 +810,7 @@ def compact_kv_batched(
     *,
     block_j: int = 32,
 ) -> None:
-    """Triton version of :func:`reference.compact_kv_batched` (one launch per layer).
+    """Triton version of :func:`torch_ops.compact_kv_batched` (one launch per layer).
 
     Only entries with ``idx[j] != j`` are copied. Hole-filling ``keep_idx`` (the
     plugin's order: every entry ``j`` or ``>= count``) is safe in any order: no source
@@ -962,7 +962,7 @@ def merged_attention(
     *,
     block_n: int = 32,
 ) -> torch.Tensor:
-    """Triton version of :func:`reference.merged_attention`: grid ``(n, Hkv)``, one
+    """Triton version of :func:`torch_ops.merged_attention`: grid ``(n, Hkv)``, one
     program per query and kv head (its G query heads in one ``tl.dot``), an online
     softmax over the keys that query sees. A merged key costs one load of the lower
     layer's slot plus its scale; a retained one a load of the upper layer's slot. fp32

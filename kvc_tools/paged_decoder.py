@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_kvcompress.config import KVCompressConfig
-from vllm_kvcompress.kernels.reference import split_kv_cache
+from vllm_kvcompress.kernels.torch_ops import split_kv_cache
 from vllm_kvcompress.plan import PLAN_ATTR, Compaction, StartedRequest, StepPlan, resolve_plan
 from vllm_kvcompress.planner import RequestState, cdiv, layer_groups
 from vllm_kvcompress.sharding import ONE_DEVICE

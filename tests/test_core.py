@@ -10,7 +10,7 @@ from vllm_kvcompress.cache_layout import LAYOUTS
 from vllm_kvcompress.compression import RequestCompression
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.kernels import get_ops
-from vllm_kvcompress.kernels.reference import pool_scores, reduce_gqa
+from vllm_kvcompress.kernels.torch_ops import pool_scores, reduce_gqa
 from vllm_kvcompress.plan import resolve_plan
 from vllm_kvcompress.planner import RequestState, layer_groups
 from vllm_kvcompress.scorers import hash_uniform

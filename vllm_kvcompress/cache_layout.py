@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels.reference import split_kv_cache
+from .kernels.torch_ops import split_kv_cache
 
 KVViews = tuple[torch.Tensor, torch.Tensor]
 

@@ -1,6 +1,6 @@
 """Kernel tests.
 
-1. The torch references (``vllm_kvcompress.kernels.reference``) against brute-force naive
+1. The torch references (``vllm_kvcompress.kernels.torch_ops``) against brute-force naive
    implementations (Python loops, explicit softmax in float64) on small inputs.
 2. The Triton kernels against the references on random paged caches: GQA group sizes
    1/3/8, head_dim 64/128, block sizes 16/32/128, ragged lengths (1, not multiples of the
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_kvcompress.kernels import OP_NAMES, get_ops
-from vllm_kvcompress.kernels import reference as ref
+from vllm_kvcompress.kernels import torch_ops as ref
 from vllm_kvcompress.selection import hole_filling_order
 
 try:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.reference import reduce_gqa
+from ..kernels.torch_ops import reduce_gqa
 from .base import Observation, Observe, Scorer, check_choice
 from .snapkv import GQA_REDUCTIONS
 

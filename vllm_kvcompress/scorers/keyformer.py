@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.reference import reduce_gqa
+from ..kernels.torch_ops import reduce_gqa
 from ..limits import bounded
 from .base import KeepsRecent, LogitsNoise, Observation, Observe, hash_uniform
 

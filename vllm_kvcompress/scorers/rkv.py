@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.reference import reduce_gqa
+from ..kernels.torch_ops import reduce_gqa
 from ..limits import bounded
 from .base import KeepsObservationWindow, Observation, Observe
 from .snapkv import pool_before_window

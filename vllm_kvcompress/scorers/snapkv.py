@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.reference import pool_scores, reduce_gqa
+from ..kernels.torch_ops import pool_scores, reduce_gqa
 from ..limits import bounded
 from .base import KeepsObservationWindow, Observation, Observe, check_choice
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # MASK_ELEMENTS of a prompt chunk's [Hq, n, S] mask (bool) and attention
 # weights at once, and GATHER_ELEMENTS of decoding requests' padded K and V,
 # noisy scoring at most NOISE_ELEMENTS floats of [rows, Hq, T]; the kernel
-# ops bound their own (kernels/reference.py, _CHUNK_ELEMS).
+# ops bound their own (kernels/torch_ops.py, _CHUNK_ELEMS).
 MASK_ELEMENTS = 1 << 24
 NOISE_ELEMENTS = 1 << 24
 # Decoding requests' masked pass: the padded K and V gathered for one batch.
