@@ -8,7 +8,7 @@ holds it (per layer `[num_blocks, num_kv_heads, block_size, 2 * head_dim]`,
 physically NHD or HND), and whose compression goes through the plugin's own
 worker code, driven the way vLLM drives it:
 
-- the planner (`planner.RequestState`, the scheduler's state machine) says
+- the planner (`schedule.RequestSchedule`, the scheduler's state machine) says
   when to compress and to what physical lengths, as the scheduler does;
 - `WorkerCompression.before_update_states` starts request states and runs the
   step's compactions (the `compact_kv_batched` op, MiniCache merges, block
@@ -44,9 +44,10 @@ import torch.nn.functional as F
 
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.kernels.torch_ops import split_kv_cache
-from vllm_kvcompress.plan import PLAN_ATTR, Compaction, StartedRequest, StepPlan, resolve_plan
-from vllm_kvcompress.planner import RequestState, cdiv, layer_groups
+from vllm_kvcompress.plan import resolve_plan
+from vllm_kvcompress.schedule import RequestSchedule, cdiv, layer_groups
 from vllm_kvcompress.sharding import ONE_DEVICE
+from vllm_kvcompress.step_records import Compaction, StartedRequest, StepPlan, attach_step_plan
 from vllm_kvcompress.vllm_seam.worker import WorkerCompression
 from vllm_kvcompress.vllm_seam.worker.step_inputs import step_passes
 
@@ -171,7 +172,7 @@ class PagedDecoder:
         plans, started = {}, []
         for rid, prompt, config in zip(ids, prompts, configs):
             resolved = resolve_plan(config, len(prompt), self.num_layers, bs)
-            plans[rid] = RequestState.create(resolved, group_of_layer)
+            plans[rid] = RequestSchedule.create(resolved, group_of_layer)
             started.append(StartedRequest(rid, resolved))
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         logical = dict.fromkeys(ids, 0)
@@ -185,9 +186,10 @@ class PagedDecoder:
                     compactions.append(Compaction(rid, plan.physical(logical[rid]), targets))
                     plan.commit(logical[rid], targets)
             held = {rid: [list(b) for b in runner.requests[rid].block_ids] for rid in ids}
-            worker.before_update_states(types.SimpleNamespace(
-                finished_req_ids=(), preempted_req_ids=(),
-                **{PLAN_ATTR: StepPlan(started=started, compactions=compactions)}))
+            scheduler_output = types.SimpleNamespace(finished_req_ids=(), preempted_req_ids=())
+            attach_step_plan(scheduler_output, StepPlan(started=started, compactions=compactions,
+                                                        compressing=bool(started or compactions)))
+            worker.before_update_states(scheduler_output)
             started = []
             for rid in ids:  # blocks the compactions truncated return to the pool
                 for before, after in zip(held[rid], runner.requests[rid].block_ids):

@@ -6,12 +6,12 @@ hybrid model: its sliding-window layers keep every token and mask by logical
 distance (the window), and only its full-attention layers compress, as in
 the engine. Attention probabilities are
 computed explicitly, used for the output and, for the queries the scorer
-observes, fed to the same `RequestCompression` bookkeeping the worker uses.
-Compressions happen exactly when the planner says (the scheduler's state
+observes, fed to the same `RequestTokens` bookkeeping the worker uses.
+Compressions happen exactly when the schedule says (schedule.py) (the scheduler's state
 machine), so greedy tokens must equal vLLM's with the plugin.
 
 It shares with the engine only the plan, the scorers' math, the selection,
-the merge formulas (merge.py) and the planner; attention, attention scores,
+the merge formulas (merge.py) and the schedule (schedule.py); attention, attention scores,
 RoPE, caching and compaction are independent code. A merged pair's upper
 layer keeps its restored keys and values densely, the engine's reads the
 lower layer's paged slots.
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvcompress.compression import MergedUpper, RequestCompression
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.merge import restore
 from vllm_kvcompress.plan import resolve_plan
-from vllm_kvcompress.planner import RequestState, layer_groups
+from vllm_kvcompress.schedule import RequestSchedule, layer_groups
+from vllm_kvcompress.token_state import MergedUpper, RequestTokens
 
 
 class ReferenceDecoder:
@@ -125,7 +125,7 @@ class ReferenceDecoder:
         empty = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.model.dtype)
         return [(empty, empty) for _ in range(self.num_layers)]
 
-    def _merge(self, cache, state: RequestCompression, merge) -> None:
+    def _merge(self, cache, state: RequestTokens, merge) -> None:
         """MiniCache over the compacted pairs: the lower layer keeps its stored
         (merged or exact) vectors; the upper layer's dense cache becomes what
         its attention reads, the restored vectors."""
@@ -147,7 +147,7 @@ class ReferenceDecoder:
         self, prompt: list[int], max_new_tokens: int, config: KVCompressConfig | None = None,
         block_size: int = 32, cached_len: int = 0,
     ) -> dict:
-        """Greedy tokens with the config's compression applied on the planner's schedule.
+        """Greedy tokens with the config's compression applied on the schedule's points (schedule.py).
 
         `cached_len`: leading prompt tokens the engine served from its prefix
         cache (the protected start; their queries are never observed).
@@ -164,10 +164,10 @@ class ReferenceDecoder:
         num_compressed = len(self.compressed)
         group_of_layer = layer_groups(num_compressed, config.num_layer_groups)
         resolved = resolve_plan(config, len(prompt), num_compressed, block_size, cached_len)
-        plan = RequestState.create(resolved, group_of_layer)
+        plan = RequestSchedule.create(resolved, group_of_layer)
         state = None
         if resolved is not None:
-            state = RequestCompression(resolved, num_compressed, self.num_kv_heads, self.num_q_heads)
+            state = RequestTokens(resolved, num_compressed, self.num_kv_heads, self.num_q_heads)
         lengths: list = []
         compressed_at: list[int] = []  # logical length at each compression
 
@@ -181,7 +181,7 @@ class ReferenceDecoder:
                 keep = state.select(c, targets[group_of_layer[c]], keys)
                 idx = keep.unsqueeze(-1).expand(-1, -1, self.head_dim)
                 cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
-                state.compact(c, keep)
+                state.keep_selected(c, keep)
             if state.lower_of and not state.merged:
                 self._merge(cache, state, state.plan.merge)
             state.finish_compaction()
@@ -189,7 +189,7 @@ class ReferenceDecoder:
             lengths.append(targets[0] if len(targets) == 1 else targets)
             compressed_at.append(logical)
 
-        # The prompt in the chunks the planner allows (one chunk unless the
+        # The prompt in the chunks the schedule allows (one chunk unless the
         # trigger streams the prompt), each preceded by any eviction due.
         logical = 0
         while logical < len(prompt):

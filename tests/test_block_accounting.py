@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import BLOCK_SIZE, engine_kwargs, in_process_engine, random_prompts
-from vllm_kvcompress.planner import cdiv
+from vllm_kvcompress.schedule import cdiv
 
 NUM_BLOCKS = 40
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import BLOCK_SIZE, Engine, engine_kwargs, random_prompts
-from vllm_kvcompress.planner import cdiv
+from vllm_kvcompress.schedule import cdiv
 
 NUM_BLOCKS = 20  # block 0 is vLLM's null block: 19 usable
 
@@ -82,9 +82,9 @@ def test_registry_picks_the_manager_and_keeps_builtins(spec, monkeypatch):
 def evict_tail(manager, rid: str, logical_len: int, physical_len: int) -> tuple[int, int]:
     """An in-place compaction (nothing protected, nothing cached): (blocks freed, blocks held)."""
     assert manager.copies_needed(rid, physical_len, 0) == 0
-    freed, held, copied = manager.compact(rid, logical_len, physical_len, 0, copy=False)
-    assert copied is None
-    return freed, held
+    released = manager.release_evicted(rid, logical_len, physical_len, 0, copy=False)
+    assert released.copy is None
+    return released.freed, released.held
 
 
 def test_shared_blocks_are_copied_not_rewritten(manager):
@@ -99,7 +99,8 @@ def test_shared_blocks_are_copied_not_rewritten(manager):
     free = pool.get_num_free_blocks()
     need = manager.copies_needed("a", 130, protected)
     assert need == cdiv(130, BLOCK_SIZE) - 2  # blocks 2..4 rewritten -> 3 fresh ones
-    freed, held, (first, fresh) = manager.compact("a", 200, 130, protected, copy=True)
+    released = manager.release_evicted("a", 200, 130, protected, copy=True)
+    freed, held, first, fresh = released.freed, released.held, released.copy.first_block, released.copy.fresh_blocks
     assert first == 2 and len(fresh) == need
     assert manager.req_to_blocks["a"][:2] == blocks[:2]  # the protected start stays
     assert [b.block_id for b in manager.req_to_blocks["a"][2:]] == list(fresh)

@@ -1,7 +1,7 @@
 """Every scorer under every budget allocation, trigger and selection modifier, without an engine.
 
 For each composition the configuration allows, a request is driven through
-the planner (when to compress) and `RequestCompression` (which tokens) over a
+the schedule (when to compress) and `RequestTokens` (which tokens) over a
 prompt and a decode, with synthetic attention; at every compaction the kept
 positions are compared with a plain re-implementation of methods.md's math
 written below (loops, no shared helpers), and the compaction schedule with
@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from vllm_kvcompress.budgets import ALLOCATIONS
-from vllm_kvcompress.compression import RequestCompression
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.plan import resolve_plan
-from vllm_kvcompress.planner import RequestState, layer_groups
+from vllm_kvcompress.schedule import RequestSchedule, layer_groups
 from vllm_kvcompress.scorers import SCORERS, hash_uniform
 from vllm_kvcompress.selection import SELECTIONS
+from vllm_kvcompress.token_state import RequestTokens
 from vllm_kvcompress.triggers import TRIGGERS
 
 NUM_LAYERS, HKV, GROUP = 2, 2, 2
@@ -311,8 +311,8 @@ def test_prefix_cache_hits_are_a_protected_start(scorer, allocation, trigger, se
 def drive(scorer: str, allocation: str, trigger: str, selection: str, cached_len: int = 0) -> None:
     config = KVCompressConfig.from_dict(config_for(scorer, allocation, trigger, selection))
     plan = resolve_plan(config, PROMPT, NUM_LAYERS, BLOCK, cached_len=cached_len)
-    state = RequestState.create(plan, layer_groups(NUM_LAYERS, NUM_LAYERS))
-    rc = RequestCompression(plan, NUM_LAYERS, HKV, HQ)
+    state = RequestSchedule.create(plan, layer_groups(NUM_LAYERS, NUM_LAYERS))
+    rc = RequestTokens(plan, NUM_LAYERS, HKV, HQ)
     observe = scorer in ATTENTION_SCORERS
     protected_len = PROMPT if trigger == "decode" else cached_len  # the prompt is kept whole
     assert plan.protected_len == protected_len
@@ -375,7 +375,7 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, cached_len
                                           rc.num_compressions, targets[layer] - protected_len, protected_len)
                     assert_top(set(got[h].tolist()), ranked, positions, targets[layer], (layer, h, logical))
                 cached[layer][h] = set(got[h].tolist())
-            rc.compact(layer, keep)
+            rc.keep_selected(layer, keep)
             for key in [k for k in attention[layer] if k[1] not in cached[layer][k[0] // GROUP]]:
                 del attention[layer][key]
             if scorer == "rkv":  # the next observation window starts afresh
@@ -385,7 +385,7 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, cached_len
         rc.finish_compaction()
         state.commit(logical, targets)
 
-    while logical < PROMPT:  # the prompt, in the chunks the planner allows
+    while logical < PROMPT:  # the prompt, in the chunks the schedule allows
         compress_if_due()
         cap = state.tokens_until_due(logical)
         end = PROMPT if cap is None else min(PROMPT, logical + cap)

@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from vllm_kvcompress.cache_layout import LAYOUTS
-from vllm_kvcompress.compression import RequestCompression
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.kernels import get_ops
 from vllm_kvcompress.kernels.torch_ops import pool_scores, reduce_gqa
 from vllm_kvcompress.plan import resolve_plan
-from vllm_kvcompress.planner import RequestState, layer_groups
+from vllm_kvcompress.schedule import RequestSchedule, layer_groups
 from vllm_kvcompress.scorers import hash_uniform
 from vllm_kvcompress.selection import select_keep
+from vllm_kvcompress.token_state import RequestTokens
 
 BLOCK = 32  # the engine's block size: the default rolling interval
 
@@ -25,7 +25,7 @@ def plan(cfg: KVCompressConfig, prompt_len: int, num_layers: int = 1):
 
 
 def compression(cfg: KVCompressConfig, prompt_len: int, num_layers: int, num_kv_heads: int, num_q_heads: int):
-    return RequestCompression(plan(cfg, prompt_len, num_layers), num_layers, num_kv_heads, num_q_heads)
+    return RequestTokens(plan(cfg, prompt_len, num_layers), num_layers, num_kv_heads, num_q_heads)
 
 
 def test_select_keep_protects_sinks_and_recent_and_takes_top_scores():
@@ -174,7 +174,7 @@ def test_compaction_moves_positions_and_scores_per_head():
     rc.append(torch.arange(8))
     rc.attention[0] = torch.arange(32, dtype=torch.float32).view(4, 8)
     keep = torch.tensor([[0, 3, 6, 7], [1, 2, 6, 7]])
-    rc.compact(0, keep)
+    rc.keep_selected(0, keep)
     rc.finish_compaction()
     assert rc.positions(0).tolist() == keep.tolist()
     rc.append(torch.tensor([8, 9]))
@@ -208,26 +208,26 @@ def test_decode_scores_accumulate_in_place_in_one_buffer_per_interval(policy):
 
 def test_planner_schedule():
     cfg = KVCompressConfig.from_dict({"policy": "h2o", "budget": 64})
-    state = RequestState.create(plan(cfg, 200))
+    state = RequestSchedule.create(plan(cfg, 200))
     assert state.next_compression(100) is None  # still prefilling
     assert state.next_compression(200) == (64,)  # prefill ended over budget
     state.commit(200, (64,))
     assert state.num_evicted == [136] and state.physical(201) == (65,)
     assert state.next_compression(200 + 31) is None  # 95 < 64 + 32
     assert state.next_compression(200 + 32) == (64,)  # 96: one block to free
-    snap = RequestState.create(plan(KVCompressConfig.from_dict({"policy": "snapkv", "budget": 64}), 50))
+    snap = RequestSchedule.create(plan(KVCompressConfig.from_dict({"policy": "snapkv", "budget": 64}), 50))
     assert snap.next_compression(50) is None and snap.next_compression(500) is None  # never rolls
 
 
 def test_planner_streams_a_prompt_in_chunks():
     cfg = KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64, "prompt_chunk": 32})
-    state = RequestState.create(plan(cfg, 200))
+    state = RequestSchedule.create(plan(cfg, 200))
     assert state.tokens_until_due(0) == 96  # budget + chunk before the first eviction
     assert state.next_compression(95) is None and state.next_compression(96) == (64,)
     state.commit(96, (64,))
     assert state.tokens_until_due(96) == 32 and state.next_compression(127) is None
     assert state.max_physical(200) == 64 + 32  # what admitting it needs
-    plain = RequestState.create(plan(KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64}), 200))
+    plain = RequestSchedule.create(plan(KVCompressConfig.from_dict({"policy": "streamingllm", "budget": 64}), 200))
     assert plain.tokens_until_due(0) == 200 and plain.next_compression(150) is None  # the prompt whole
     assert plain.max_physical(200) is None  # a fresh prompt must fit whole, as in vLLM
 
@@ -247,7 +247,7 @@ def test_a_resumed_request_compresses_where_its_first_life_did(config):
     prompt_len, total = 300, 520
 
     def run(first_chunk_end) -> list[tuple[int, tuple[int, ...]]]:
-        state = RequestState.create(plan(cfg, prompt_len, 4), groups)
+        state = RequestSchedule.create(plan(cfg, prompt_len, 4), groups)
         done, points = 0, []
         while done < total:
             targets = state.next_compression(done)
@@ -264,7 +264,7 @@ def test_a_resumed_request_compresses_where_its_first_life_did(config):
     # Resumed after preemption: everything in one prefill, capped only by the plan.
     resumed = run(lambda done: total)
     assert first == resumed and first
-    state = RequestState.create(plan(cfg, prompt_len, 4), groups)
+    state = RequestSchedule.create(plan(cfg, prompt_len, 4), groups)
     assert state.max_physical(total) < total  # admission needs only what the replay holds
 
 
@@ -274,10 +274,10 @@ def test_pyramid_budgets_follow_the_reference_schedule_and_group_into_tiers():
     # KVCache-Factory: min (96-8)//20 = 4, max 2*88-4 = 172, step (172-4)//3 = 56, + window.
     assert allocation.layer_budgets(96, 4, 1000, 8) == [180, 124, 68, 12]
     assert allocation.layer_budgets(96, 4, 150, 8) == [150, 114, 78, 42]  # short prompt: bottom keeps all
-    state = RequestState.create(plan(cfg, 1000, 4), layer_groups(4, 4))
+    state = RequestSchedule.create(plan(cfg, 1000, 4), layer_groups(4, 4))
     assert state.budgets == (180, 124, 68, 12)
     tiers_cfg = cfg.merged({"policy": "pyramidkv", "budget": 96, "window": 8})
-    tiers = RequestState.create(plan(tiers_cfg, 1000, 4), layer_groups(4, 2))
+    tiers = RequestSchedule.create(plan(tiers_cfg, 1000, 4), layer_groups(4, 2))
     assert tiers.budgets == (180, 68)  # a tier keeps its largest layer budget
     assert state.next_compression(1000) == (180, 124, 68, 12)
     with pytest.raises(KVCompressConfigError, match="layer_groups"):
@@ -305,15 +305,15 @@ def test_adaptive_budgets_follow_attention_mass_and_wait_for_the_worker():
     assert allocation.attention_budgets([flat, peaked, mixed, peaked], 64, 8) == want == [146, 14, 80, 14]
     assert cfg.merged({"policy": "adaptive", "budget": 64, "window": 8, "floor": 20}).components().allocation \
         .attention_budgets([flat, peaked, mixed, peaked], 64, 8) == [146, 20, 80, 20]
-    state = RequestState.create(plan(cfg, 100, 4), layer_groups(4, 4))
+    state = RequestSchedule.create(plan(cfg, 100, 4), layer_groups(4, 4))
     assert state.budgets_pending
     with pytest.raises(RuntimeError, match="not reported"):
         state.next_compression(100)
-    state = RequestState.create(plan(cfg, 100, 4), layer_groups(4, 2))
+    state = RequestSchedule.create(plan(cfg, 100, 4), layer_groups(4, 2))
     state.set_layer_budgets(want)
     assert state.next_compression(100) == (100, 80)  # tiers keep their largest; none above the prompt
     # Within budget: never compressed.
-    assert not RequestState.create(plan(cfg, 64, 4), layer_groups(4, 4)).budgets_pending
+    assert not RequestSchedule.create(plan(cfg, 64, 4), layer_groups(4, 4)).budgets_pending
     with pytest.raises(KVCompressConfigError, match="coverage"):
         cfg.merged({"policy": "adaptive", "budget": 64, "coverage": 1.5})
 

@@ -14,8 +14,8 @@ import pytest
 
 from helpers import BLOCK_SIZE, engine_kwargs, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
-from vllm_kvcompress.planner import cdiv
 from vllm_kvcompress.registry import POLICIES
+from vllm_kvcompress.schedule import cdiv
 
 NEW_TOKENS = 40
 WINDOW = 64

@@ -13,7 +13,7 @@ import pytest
 from helpers import BLOCK_SIZE, engine_kwargs, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.plan import resolve_plan
-from vllm_kvcompress.planner import RequestState, cdiv, layer_groups
+from vllm_kvcompress.schedule import RequestSchedule, cdiv, layer_groups
 
 NEW_TOKENS = 36
 NUM_LAYERS = 4
@@ -149,7 +149,7 @@ def test_each_layer_holds_its_own_blocks(per_layer):
     per_layer.generate([prompt], 2, [config])  # compressed before the 2nd token is decoded
     plan = resolve_plan(KVCompressConfig.from_dict({**config, "layer_groups": NUM_LAYERS}), 600, NUM_LAYERS,
                         BLOCK_SIZE)
-    budgets = RequestState.create(plan, layer_groups(NUM_LAYERS, NUM_LAYERS)).budgets
+    budgets = RequestSchedule.create(plan, layer_groups(NUM_LAYERS, NUM_LAYERS)).budgets
     assert len(set(budgets)) == NUM_LAYERS and budgets[0] > budgets[-1]
     finished = [r for r in per_layer.stats()["requests"].values() if r["finished"] and r["prefill_len"] == 600]
     stats = finished[-1]

@@ -16,7 +16,7 @@ import torch
 from helpers import BLOCK_SIZE, engine_kwargs, in_process_engine, random_prompts
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.merge import MiniCache, merge_tensor, restore
-from vllm_kvcompress.planner import cdiv
+from vllm_kvcompress.schedule import cdiv
 
 NEW_TOKENS = 36
 NUM_LAYERS = 4

@@ -19,8 +19,8 @@ from helpers import BLOCK_SIZE, engine_kwargs, random_prompts
 from kvc_tools.calibrate_profile import answer_mass
 from vllm_kvcompress.budgets import Retrieval, water_fill
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
-from vllm_kvcompress.planner import cdiv
 from vllm_kvcompress.retrieval_profile import FORMAT, load_profile
+from vllm_kvcompress.schedule import cdiv
 
 NUM_LAYERS = 4  # the tiny model's
 NEW_TOKENS = 24

@@ -16,9 +16,9 @@ import types
 
 import torch
 
-from vllm_kvcompress.compression import RequestCompression, score_bytes_per_kv_byte
 from vllm_kvcompress.config import CONFIG_KEY, KVCompressConfig
 from vllm_kvcompress.plan import resolve_plan
+from vllm_kvcompress.token_state import RequestTokens, score_bytes_per_kv_byte
 from vllm_kvcompress.vllm_seam.patches import PATCHES
 from vllm_kvcompress.vllm_seam.worker import startup
 
@@ -29,7 +29,7 @@ def test_score_bytes_match_what_a_request_holds():
     """A rolling request's scores, per layer, against its K and V per layer."""
     hq, hkv, d, tokens = 8, 2, 16, 40
     plan = resolve_plan(KVCompressConfig.from_dict({"policy": "h2o", "budget": 32, "interval": 1}), 64, 1, 16)
-    state = RequestCompression(plan, 1, hkv, hq)
+    state = RequestTokens(plan, 1, hkv, hq)
     state.accumulate(0, torch.rand(hq, tokens))
     score_bytes = state.attention[0][:, :tokens].numel() * 4
     kv_bytes = 2 * hkv * tokens * d * 2  # bf16 K and V

@@ -1,16 +1,14 @@
-"""The one resolved plan per request, and the records scheduler and workers exchange.
+"""The one resolved plan per request.
 
 The scheduler resolves a request's configuration once (`resolve_plan`) into a
 frozen `CompressionPlan` and sends that plan to the workers with the step
-that starts the request; neither side derives budgets from a config dict
-again. Everything that crosses the scheduler/worker boundary is one of the
-records below (vLLM pickles them with its SchedulerOutput/ModelRunnerOutput
-when workers live in other processes).
+that starts the request (step_records.py); neither side derives budgets from
+a config dict again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .budgets import Allocation
 from .config import KVCompressConfig
@@ -18,10 +16,6 @@ from .merge import Merge, NoMerge
 from .scorers import Scorer
 from .selection import Selection
 from .triggers import Trigger
-
-PLAN_ATTR = "kv_compress_plan"  # the StepPlan's attribute on vLLM's SchedulerOutput
-BUDGETS_ATTR = "kv_compress_layer_budgets"  # list[ReportedBudgets] on vLLM's ModelRunnerOutput
-FAILED_ATTR = "kv_compress_failed"  # list[str] on ModelRunnerOutput: requests whose compression raised
 
 
 @dataclass(frozen=True)
@@ -84,45 +78,3 @@ def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, blo
         budget=budget, layer_budgets=tuple(layer_budgets), interval=config.interval or block_size,
         protected_len=protected, merge=parts.merge,
     )
-
-
-@dataclass(frozen=True)
-class StartedRequest:
-    """A request whose compression state (re)starts in this step."""
-
-    request_id: str
-    plan: CompressionPlan | None  # None: compression off for this request
-
-
-@dataclass(frozen=True)
-class Compaction:
-    """Compact a request before the step's forward: physical lengths per KV cache group."""
-
-    request_id: str
-    old_lengths: tuple[int, ...]
-    new_lengths: tuple[int, ...]
-    # Per KV cache group, None, or (first block index, fresh block ids): the
-    # blocks from that index on are replaced by fresh ones that receive the
-    # kept tokens, because the originals are cached or shared (prefix caching).
-    copies: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
-
-
-@dataclass
-class StepPlan:
-    """What the workers must do for the step it is attached to."""
-
-    started: list[StartedRequest] = field(default_factory=list)
-    compactions: list[Compaction] = field(default_factory=list)
-    # logical - physical length per KV cache group of every scheduled request with a state.
-    evicted: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # Some scheduled request has a plan: the workers may run compression code
-    # (and, under tensor parallelism, gather their failures at the step's end).
-    compressing: bool = False
-
-
-@dataclass(frozen=True)
-class ReportedBudgets:
-    """Worker -> scheduler: per-layer budgets derived from a prompt's attention."""
-
-    request_id: str
-    layer_budgets: tuple[int, ...]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -31,7 +32,8 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-from ..planner import cdiv
+from ..schedule import cdiv
+from ..step_records import BlockCopy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +49,15 @@ class CompressedAttentionSpec(FullAttentionSpec):
 def compressed_spec(spec: FullAttentionSpec) -> CompressedAttentionSpec:
     """The same group, managed by CompressedAttentionManager."""
     return CompressedAttentionSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init})
+
+
+@dataclass(frozen=True)
+class ReleasedBlocks:
+    """What a compaction did to one KV cache group's blocks."""
+
+    freed: int  # blocks returned to the pool
+    held: int  # blocks the request holds after it
+    copy: BlockCopy | None  # the fresh blocks that receive the kept tokens (None: compacted in place)
 
 
 class CompressedAttentionManager(FullAttentionManager):
@@ -122,14 +133,14 @@ class CompressedAttentionManager(FullAttentionManager):
             return len(rewritten)
         if any(b.ref_cnt > 1 for b in rewritten):
             return None
-        return 0  # only cached, not shared: `compact` drops their hashes and rewrites them
+        return 0  # only cached, not shared: `release_evicted` drops their hashes, the worker rewrites them
 
     def _rewritten(self, request_id: str, physical_len: int, protected_len: int) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks.get(request_id, [])
         return blocks[protected_len // self.block_size: cdiv(physical_len, self.block_size)]
 
-    def compact(self, request_id: str, logical_len: int, physical_len: int, protected_len: int,
-                copy: bool) -> tuple[int, int, tuple[int, tuple[int, ...]] | None]:
+    def release_evicted(self, request_id: str, logical_len: int, physical_len: int, protected_len: int,
+                        copy: bool) -> ReleasedBlocks:
         """Keep the blocks of `physical_len` tokens, give the rest back to the pool.
 
         `copy` (`copies_needed` > 0): the blocks from the protected start's on
@@ -137,8 +148,7 @@ class CompressedAttentionManager(FullAttentionManager):
         tokens; the originals are released (cached ones stay in the prefix
         cache). Otherwise the kept tokens are compacted in place into the
         leading blocks, before the step writes anything, so the tail may go
-        to another request this very step. Returns (blocks freed, blocks held,
-        copy: (first replaced block index, fresh block ids) or None).
+        to another request this very step.
         """
         blocks = self.req_to_blocks.get(request_id, [])
         first = protected_len // self.block_size
@@ -148,7 +158,7 @@ class CompressedAttentionManager(FullAttentionManager):
             fresh = self.block_pool.get_new_blocks(keep - first)
             released = blocks[first:]
             blocks[first:] = fresh
-            copied = (first, tuple(b.block_id for b in fresh))
+            copied = BlockCopy(first, tuple(b.block_id for b in fresh))
         else:
             for block in self._rewritten(request_id, physical_len, protected_len):
                 # Cached but not shared (copies_needed): its hash would name
@@ -161,7 +171,8 @@ class CompressedAttentionManager(FullAttentionManager):
         self.block_pool.free_blocks(reversed(released))
         self.num_evicted[request_id] = logical_len - physical_len
         self.cacheable[request_id] = first * self.block_size  # the protected start is fixed per request
-        return len(released) - (0 if copied is None else len(copied[1])), len(blocks), copied
+        return ReleasedBlocks(freed=len(released) - (0 if copied is None else len(copied.fresh_blocks)),
+                              held=len(blocks), copy=copied)
 
     def cache_blocks(self, request, num_tokens: int, *args, **kwargs) -> None:
         limit = self.cacheable.get(request.request_id)

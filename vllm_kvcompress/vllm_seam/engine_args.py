@@ -26,8 +26,8 @@ from ..config import (
 )
 from ..limits import EngineLimits
 from ..merge import MERGES
-from ..planner import layer_groups
 from ..registry import POLICIES
+from ..schedule import layer_groups
 from ..selection import SELECTIONS
 from ..triggers import TRIGGERS
 from . import metrics

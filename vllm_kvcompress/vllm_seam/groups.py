@@ -20,7 +20,7 @@ import dataclasses
 import re
 
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError
-from ..planner import layer_groups
+from ..schedule import layer_groups
 
 
 def layer_index(layer_name: str) -> int:

@@ -1,7 +1,7 @@
 """Scheduler side (EngineCore process): decide compressions, free blocks.
 
 Before vLLM schedules a step, every running request past prefill asks the
-planner whether to compress; if so its tail blocks go back to the block pool
+schedule (schedule.py) whether to compress; if so its tail blocks go back to the block pool
 at once, so this very step can hand them to other requests. Allocation then
 follows the *physical* length. The step's plan rides to the workers as an
 attribute of SchedulerOutput (a pickled dataclass); the workers compact the
@@ -24,17 +24,9 @@ from vllm.v1.request import RequestStatus
 
 from ..accounting import CompressionStats
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
-from ..plan import (
-    BUDGETS_ATTR,
-    FAILED_ATTR,
-    PLAN_ATTR,
-    Compaction,
-    ReportedBudgets,
-    StartedRequest,
-    StepPlan,
-    resolve_plan,
-)
-from ..planner import RequestState
+from ..plan import resolve_plan
+from ..schedule import RequestSchedule
+from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, report_of
 from .block_manager import CompressedAttentionManager
 from .groups import CompressedLayers
 from .metrics import RatioHistogram, SnapshotWriter
@@ -60,7 +52,7 @@ class KVCompressScheduler(Scheduler):
             )
         self.kvc_group_of_layer = list(self.kvc_layers.group_of_layer)
         self.kvc_block_size = groups[self.kvc_layers.vllm_groups[0]].kv_cache_spec.block_size
-        self.kvc_states: dict[str, RequestState] = {}
+        self.kvc_states: dict[str, RequestSchedule] = {}
         # Prompt tokens served from the prefix cache when each request was
         # first scheduled (its protected start, kept across preemptions).
         self._kvc_cached: dict[str, int] = {}
@@ -70,7 +62,7 @@ class KVCompressScheduler(Scheduler):
             kv_cache_groups=tuple("compressed" if g in self.kvc_layers.vllm_groups else _kind(group.kv_cache_spec)
                                   for g, group in enumerate(groups)))
         self._kvc_started: dict[str, StartedRequest] = {}
-        # Requests whose compression raised (here, or in a worker: FAILED_ATTR)
+        # Requests whose compression raised (here, or in a worker: WorkerReport.failed)
         # are finished with an error at the step's output; those finished
         # before the step was scheduled wait there for their error output.
         self._kvc_failed: dict[str, str] = {}
@@ -96,7 +88,7 @@ class KVCompressScheduler(Scheduler):
 
     # ---------------------------------------------------------------- steps
 
-    def _request_state(self, request, cached_len: int | None = None) -> RequestState:
+    def _request_state(self, request, cached_len: int | None = None) -> RequestSchedule:
         """The request's compression state, created on first use.
 
         `cached_len`: the prefix-cache hit of a request not yet running (vLLM
@@ -136,7 +128,7 @@ class KVCompressScheduler(Scheduler):
                     logger.warning("kv_compress %s: runs uncompressed: merge %r: %s", rid, plan.merge.name, problem)
                     plan = None
             self._kvc_pending_cached[rid] = cached
-            state = RequestState.create(plan, self.kvc_group_of_layer)
+            state = RequestSchedule.create(plan, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
             cap = state.max_physical(request.num_tokens)
             for manager in self._kvc_managers:
@@ -189,15 +181,12 @@ class KVCompressScheduler(Scheduler):
                            "the pool has no room to copy them", rid)
             return None
         old = state.physical(logical)
-        freed = held = 0
-        copied = []
-        for manager, target, copy in zip(self._kvc_managers, targets, copies):
-            f, h, c = manager.compact(rid, logical, target, protected, bool(copy))
-            freed, held = freed + f, held + h
-            copied.append(c)
+        released = [manager.release_evicted(rid, logical, target, protected, bool(copy))
+                    for manager, target, copy in zip(self._kvc_managers, targets, copies)]
         state.commit(logical, targets)
-        self.kvc_stats.compressed(rid, old, targets, freed, held)
-        return Compaction(rid, old, targets, tuple(copied) if any(copied) else ())
+        self.kvc_stats.compressed(rid, old, targets, sum(r.freed for r in released), sum(r.held for r in released))
+        copied = tuple(r.copy for r in released)
+        return Compaction(rid, old, targets, copied if any(copied) else ())
 
     def schedule(self, *args, **kwargs):
         ops = self._plan_compressions()
@@ -218,8 +207,7 @@ class KVCompressScheduler(Scheduler):
             if rid in self.kvc_states
         }
         compressing = any(self.kvc_states[rid].plan is not None for rid in evicted)
-        setattr(output, PLAN_ATTR, StepPlan(started=started, compactions=ops, evicted=evicted,
-                                            compressing=compressing))
+        attach_step_plan(output, StepPlan(started=started, compactions=ops, evicted=evicted, compressing=compressing))
         if ops:
             self._write_snapshot()
         return output
@@ -227,13 +215,13 @@ class KVCompressScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         # Budgets decided from a prompt's attention (adaptive, per_head): the
         # request compresses to them when the next step is planned.
-        reported: list[ReportedBudgets] = getattr(model_runner_output, BUDGETS_ATTR, None) or []
-        failed = set(getattr(model_runner_output, FAILED_ATTR, None) or ()) | set(self._kvc_failed)
+        report = report_of(model_runner_output)
+        failed = set(report.failed) | set(self._kvc_failed)
         self._kvc_failed.clear()
-        for report in reported:
-            state = self.kvc_states.get(report.request_id)
-            if state is not None and report.request_id not in failed:
-                state.set_layer_budgets(report.layer_budgets)
+        for budgets in report.layer_budgets:
+            state = self.kvc_states.get(budgets.request_id)
+            if state is not None and budgets.request_id not in failed:
+                state.set_layer_budgets(budgets.layer_budgets)
         if failed and model_runner_output.sampled_token_ids:
             # A failed request's token of this step came from a cache its
             # compression left unusable: it is not emitted.

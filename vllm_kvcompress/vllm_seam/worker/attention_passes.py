@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ...plan import ReportedBudgets
-from ...planner import cdiv
+from ...schedule import cdiv
+from ...step_records import ReportedBudgets
 from .step_inputs import ScoringBatch, StepRequest, padded, upload
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...compression import MergedUpper, RequestCompression
-from ...plan import Compaction
-from ...planner import cdiv
+from ...schedule import cdiv
+from ...step_records import Compaction
+from ...token_state import MergedUpper, RequestTokens
 from .step_inputs import padded, upload
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
     # still to come (its cache is then unusable: the scheduler finishes
     # it with an error); its block table is still cut as the scheduler
     # planned, since those blocks are back in the pool.
-    states: list[RequestCompression | None] = [worker.states.get(c.request_id) for c in compactions]
+    states: list[RequestTokens | None] = [worker.states.get(c.request_id) for c in compactions]
     group_ids = [[worker.runner.requests[c.request_id].block_ids[vg] for vg in worker.vllm_groups]
                  for c in compactions]
     for i, c in enumerate(compactions):
@@ -77,9 +77,8 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
             if copy is None:
                 op_rows.append(ids[g])
             else:
-                first, fresh = copy
-                op_rows.append(list(fresh) + ids[g][first:])
-                copied[i, g] = (first * bs, len(fresh) * bs)
+                op_rows.append(list(copy.fresh_blocks) + ids[g][copy.first_block:])
+                copied[i, g] = (copy.first_block * bs, len(copy.fresh_blocks) * bs)
         tables[g] = padded(rows, device)
         op_tables[g] = tables[g] if not any(k[1] == g for k in copied) else padded(op_rows, device)
     # MiniCache pairs merge at their first compaction: both layers of a
@@ -126,7 +125,7 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
                     else:
                         _merge_pair(worker, compactions[i], state, lower, layer, lower_kept.pop((i, lower)), kept,
                                          group_ids[i])
-                state.compact(layer, keep)
+                state.keep_selected(layer, keep)
             live[i] = compactions[i].request_id not in worker.failed
     for i, (c, state, ids) in enumerate(zip(compactions, states, group_ids)):
         if live[i] and state is not None:
@@ -136,7 +135,7 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
         for g, new_len in enumerate(c.new_lengths):
             copy = c.copies[g] if c.copies else None
             if copy is not None:
-                ids[g][copy[0]:] = copy[1]
+                ids[g][copy.first_block:] = copy.fresh_blocks
             del ids[g][cdiv(new_len, worker.block_size):]
             if row is not None:
                 table = worker.runner.input_batch.block_table[worker.vllm_groups[g]]
@@ -144,7 +143,7 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
                 table.add_row(ids[g], row)
 
 
-def _merge_pair(worker: WorkerCompression, c: Compaction, state: RequestCompression, lower: int, upper: int,
+def _merge_pair(worker: WorkerCompression, c: Compaction, state: RequestTokens, lower: int, upper: int,
                 lower_kv: tuple[torch.Tensor, torch.Tensor], upper_kv: tuple[torch.Tensor, torch.Tensor],
                 ids: list[list[int]]) -> None:
     """MiniCache on one pair of a compaction: the lower layer's first
@@ -164,7 +163,7 @@ def _merge_pair(worker: WorkerCompression, c: Compaction, state: RequestCompress
                            f"{c.new_lengths[g_up]} slots")
     for layer, g, k, v in ((lower, g_lo, key.lower, value.lower), (upper, g_up, key.retained, value.retained)):
         copy = c.copies[g] if c.copies else None
-        row = ids[g] if copy is None else ids[g][: copy[0]] + list(copy[1])
+        row = ids[g] if copy is None else ids[g][: copy.first_block] + list(copy.fresh_blocks)
         _write_slots(*worker.views(worker.layers[layer].kv_cache), row, k, v)
     state.merged[upper] = MergedUpper.of(lower, key, value)
 

@@ -4,7 +4,7 @@ AttentionGroup.build_metadata (seam table: patches.py)."""
 from __future__ import annotations
 
 from ...config import CONFIG_KEY
-from ...plan import BUDGETS_ATTR, FAILED_ATTR
+from ...step_records import WorkerReport, attach_report
 from .startup import wrap_determine_available_memory as wrap_determine_available_memory
 from .state import WORKER_KEY, WorkerCompression, attach, attached
 from .step_inputs import prepare_inputs
@@ -67,12 +67,10 @@ def wrap_sample_tokens(original):
         if output is None:  # nothing goes back this step: the next one reports them
             kvc.failed.update(dict.fromkeys(failed, "reported late"))
             return output
-        # Both ride back to the scheduler's update_from_output (async scheduling is off).
-        if kvc.reported:
-            setattr(output, BUDGETS_ATTR, kvc.reported)
+        # Rides back to the scheduler's update_from_output (async scheduling is off).
+        if kvc.reported or failed:
+            attach_report(output, WorkerReport(layer_budgets=tuple(kvc.reported), failed=tuple(failed)))
             kvc.reported = []
-        if failed:
-            setattr(output, FAILED_ATTR, failed)
         return output
 
     return sample_tokens

@@ -11,9 +11,9 @@ import logging
 
 import torch
 
-from ...compression import score_bytes_per_kv_byte
 from ...config import CONFIG_KEY
 from ...sharding import ONE_DEVICE, HeadShard
+from ...token_state import score_bytes_per_kv_byte
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 

@@ -24,11 +24,11 @@ from collections.abc import Callable
 import torch
 
 from ...cache_layout import LAYOUTS, KVViews
-from ...compression import RequestCompression
 from ...config import CONFIG_KEY, KVCompressConfig
 from ...kernels import get_ops
-from ...plan import PLAN_ATTR, ReportedBudgets, StepPlan
 from ...sharding import HeadShard
+from ...step_records import ReportedBudgets, step_plan_of
+from ...token_state import RequestTokens
 from ..groups import CompressedLayers, layer_index
 from ..metrics import SnapshotWriter
 from .attention_passes import StepPasses
@@ -110,7 +110,7 @@ class WorkerCompression:
         self.views = views
         self.device = first.kv_cache.device
         self.ops = get_ops(self.device.type)
-        self.states: dict[str, RequestCompression] = {}
+        self.states: dict[str, RequestTokens] = {}
         self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group
         # Per-layer budgets decided from this step's attention, for the scheduler.
         self.reported: list[ReportedBudgets] = []
@@ -162,7 +162,7 @@ class WorkerCompression:
     def before_update_states(self, so) -> None:
         self.step = None
         self.metadata_edits = None
-        plan: StepPlan = getattr(so, PLAN_ATTR, None) or StepPlan()
+        plan = step_plan_of(so)
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
         for rid in getattr(so, "preempted_req_ids", None) or ():
@@ -172,7 +172,7 @@ class WorkerCompression:
             self.states.pop(started.request_id, None)
             if started.plan is not None:
                 with self.isolated(started.request_id, "start"):
-                    self.states[started.request_id] = RequestCompression(
+                    self.states[started.request_id] = RequestTokens(
                         started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard, self.device)
         if plan.compactions:
             start = time.perf_counter()

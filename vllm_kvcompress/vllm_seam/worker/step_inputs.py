@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ...compression import RequestCompression
+from ...token_state import RequestTokens
 
 if TYPE_CHECKING:
     from .attention_passes import StepPasses
@@ -52,7 +52,7 @@ class StepRequest:
     every layer); logical positions stay on the host, where decisions are made."""
 
     request_id: str
-    state: RequestCompression
+    state: RequestTokens
     token_idx: torch.Tensor  # rows of the step's query tensor
     q_logical: torch.Tensor  # [n] logical (RoPE) positions, on the host
     # Per KV cache group: physical slots of the queries, keys visible, block ids.
@@ -204,7 +204,7 @@ def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens
                                   positions_host, physical_host)
     return step if step.observed or step.masked or step.merged else None
 
-def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, state: RequestCompression,
+def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, state: RequestTokens,
                  sl: slice,
                      positions_host: torch.Tensor, physical_host: list[torch.Tensor]) -> None:
     """Request i (rows `sl` of the step) into the step's observed, fused,
@@ -226,7 +226,7 @@ def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, 
     if state.merged:
         step.merged.append(_step_request(worker, rid, state, sl, slice(None), q_log, physical_host))
 
-def _step_request(worker: WorkerCompression, rid: str, state: RequestCompression, sl: slice, mask, q_log,
+def _step_request(worker: WorkerCompression, rid: str, state: RequestTokens, sl: slice, mask, q_log,
                   physical) -> StepRequest:
     """A request's selected queries in this step, its index tensors
     uploaded to the cache's device once (`physical`: host positions)."""

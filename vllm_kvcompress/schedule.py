@@ -34,7 +34,7 @@ def layer_groups(num_layers: int, num_groups: int) -> list[int]:
 
 
 @dataclass
-class RequestState:
+class RequestSchedule:
     """One request's compression state. Reset when its KV cache is dropped.
 
     Lengths are per KV cache group (one group unless the engine splits the
@@ -53,7 +53,7 @@ class RequestState:
     budgets_pending: bool = False
 
     @classmethod
-    def create(cls, plan: CompressionPlan | None, group_of_layer: list[int] | None = None) -> RequestState:
+    def create(cls, plan: CompressionPlan | None, group_of_layer: list[int] | None = None) -> RequestSchedule:
         """`group_of_layer`: the engine's layer -> KV cache group map (default: one group)."""
         group_of_layer = group_of_layer or [0]
         state = cls(plan=plan, group_of_layer=group_of_layer, num_evicted=[0] * (max(group_of_layer) + 1))

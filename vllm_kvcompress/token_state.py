@@ -1,6 +1,6 @@
 """Per-request compression state that moves with the cache: scores, positions.
 
-Worker and reference decoder both keep one `RequestCompression` per request.
+Worker and reference decoder both keep one `RequestTokens` per request.
 It tracks, per layer, the logical position of every cached token (per KV
 head: heads may keep different tokens) and the attention the scorer has
 accumulated for it, and turns a compaction order (keep N tokens) into the
@@ -45,7 +45,7 @@ class MergedUpper:
 SCORE_SLACK_TOKENS = 256
 
 
-class RequestCompression:
+class RequestTokens:
     """One request's compression state on one worker: `num_kv_heads` and
     `num_q_heads` are the heads this worker holds (`shard`)."""
 
@@ -310,7 +310,7 @@ class RequestCompression:
         )
         return self.scorer.score(obs), positions
 
-    def compact(self, layer: int, keep_idx: torch.Tensor) -> None:
+    def keep_selected(self, layer: int, keep_idx: torch.Tensor) -> None:
         """Move this layer's bookkeeping the way its K/V were moved."""
         self._kept[layer] = torch.gather(self.positions(layer), 1, keep_idx)
         dead = self._dead_after.pop(layer, None)
@@ -340,7 +340,7 @@ def _pad_tokens(acc: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 
 def score_bytes_per_kv_byte(num_q_heads: int, num_kv_heads: int, head_dim: int, kv_bytes: int) -> float:
-    """Bytes of accumulated scores (`RequestCompression.attention`: float32, one
+    """Bytes of accumulated scores (`RequestTokens.attention`: float32, one
     per query head) a cached token may hold per byte of its keys and values
     (one K and one V per KV head, `kv_bytes` each element): what a KV cache
     of B bytes can cost again in scores, at most, is B times this."""

@@ -1,0 +1,98 @@
+"""The records scheduler and workers exchange each step, and where they ride.
+
+Everything that crosses the scheduler/worker boundary is one of these frozen
+records (vLLM pickles them with its SchedulerOutput and ModelRunnerOutput when
+workers live in other processes): the scheduler's `StepPlan` (requests
+started with their plans, compactions, physical offsets) and the workers'
+`WorkerReport` (layer budgets derived from attention, failed requests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .plan import CompressionPlan
+
+
+@dataclass(frozen=True)
+class StartedRequest:
+    """A request whose compression state (re)starts in this step."""
+
+    request_id: str
+    plan: CompressionPlan | None  # None: compression off for this request
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """The blocks from `first_block` on are replaced by `fresh_blocks`, which
+    receive the kept tokens, because the originals are cached or shared
+    (prefix caching) and must stay as they are."""
+
+    first_block: int
+    fresh_blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """Compact a request before the step's forward: physical lengths per KV cache group."""
+
+    request_id: str
+    old_lengths: tuple[int, ...]
+    new_lengths: tuple[int, ...]
+    # Per KV cache group (empty: no group copies): the group's BlockCopy, or
+    # None where its kept tokens are compacted in place.
+    copies: tuple[BlockCopy | None, ...] = ()
+
+
+@dataclass
+class StepPlan:
+    """What the workers must do for the step it is attached to."""
+
+    started: list[StartedRequest] = field(default_factory=list)
+    compactions: list[Compaction] = field(default_factory=list)
+    # logical - physical length per KV cache group of every scheduled request with a state.
+    evicted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # Some scheduled request has a plan: the workers may run compression code
+    # (and, under tensor parallelism, gather their failures at the step's end).
+    compressing: bool = False
+
+
+@dataclass(frozen=True)
+class ReportedBudgets:
+    """Worker -> scheduler: per-layer budgets derived from a prompt's attention."""
+
+    request_id: str
+    layer_budgets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """Worker -> scheduler, with a step's output."""
+
+    layer_budgets: tuple[ReportedBudgets, ...] = ()  # derived from prompts' attention
+    failed: tuple[str, ...] = ()  # requests whose compression raised: each finishes with an error
+
+
+# The plugin's records ride on vLLM's own step objects (pickled with them when
+# workers live in other processes), one attribute each, read and written only here.
+STEP_ATTR = "kv_compress_step"  # a StepPlan on vLLM's SchedulerOutput
+REPORT_ATTR = "kv_compress_report"  # a WorkerReport on vLLM's ModelRunnerOutput
+
+
+def attach_step_plan(scheduler_output, plan: StepPlan) -> None:
+    setattr(scheduler_output, STEP_ATTR, plan)
+
+
+def step_plan_of(scheduler_output) -> StepPlan:
+    """The step's plan (an empty one for a step the plugin's scheduler did not plan)."""
+    plan = getattr(scheduler_output, STEP_ATTR, None)
+    return plan if isinstance(plan, StepPlan) else StepPlan()
+
+
+def attach_report(model_runner_output, report: WorkerReport) -> None:
+    setattr(model_runner_output, REPORT_ATTR, report)
+
+
+def report_of(model_runner_output) -> WorkerReport:
+    report = getattr(model_runner_output, REPORT_ATTR, None)
+    return report if isinstance(report, WorkerReport) else WorkerReport()
