@@ -187,8 +187,9 @@ class PagedDecoder:
                     plan.commit(logical[rid], targets)
             held = {rid: [list(b) for b in runner.requests[rid].block_ids] for rid in ids}
             scheduler_output = types.SimpleNamespace(finished_req_ids=(), preempted_req_ids=())
-            attach_step_plan(scheduler_output, StepPlan(started=started, compactions=compactions,
-                                                        compressing=bool(started or compactions)))
+            next_due = {rid: plans[rid].next_due(logical[rid]) for rid in ids if plans[rid].plan is not None}
+            attach_step_plan(scheduler_output, StepPlan(started=started, compactions=compactions, next_due=next_due,
+                                                        compressing=bool(next_due)))
             worker.before_update_states(scheduler_output)
             started = []
             for rid in ids:  # blocks the compactions truncated return to the pool

@@ -196,6 +196,8 @@ class ReferenceDecoder:
             compress_if_due(logical)
             cap = plan.tokens_until_due(logical)
             end = len(prompt) if cap is None else min(len(prompt), logical + cap)
+            if state is not None:
+                state.next_due = plan.next_due(logical)
             logits = self._forward(prompt[logical:end], torch.arange(logical, end), cache, state)
             logical = end
         if plan.budgets_pending:  # the worker reports these at prefill end
@@ -205,6 +207,8 @@ class ReferenceDecoder:
         while len(tokens) < max_new_tokens:
             logical = len(prompt) + len(tokens) - 1  # tokens whose KV is cached
             compress_if_due(logical)
+            if state is not None:
+                state.next_due = plan.next_due(logical)
             logits = self._forward([tokens[-1]], torch.tensor([logical]), cache, state)
             tokens.append(int(logits.argmax()))
         kept = [state.positions(i) for i in range(num_compressed)] if state else None

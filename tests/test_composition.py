@@ -84,7 +84,7 @@ def refusal(scorer: str, allocation: str, trigger: str, selection: str) -> str |
 
 
 # Evicting scorers (keep_all only serves policy minicache: tests/test_minicache.py).
-EVICTING = sorted(name for name, cls in SCORERS.items() if cls.evicts)
+EVICTING = sorted(name for name, cls in SCORERS.items() if name != "keep_all")
 COMBINATIONS = list(itertools.product(EVICTING, sorted(ALLOCATIONS), sorted(TRIGGERS), sorted(SELECTIONS)))
 
 
@@ -389,6 +389,7 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, cached_len
         compress_if_due()
         cap = state.tokens_until_due(logical)
         end = PROMPT if cap is None else min(PROMPT, logical + cap)
+        rc.next_due = state.next_due(logical)  # what the scheduler sends the workers each step
         feed(list(range(logical, end)))
         logical = end
     if state.budgets_pending:  # what the worker reports at prefill end
@@ -403,6 +404,7 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, cached_len
     budgets = list(state.budgets)
     while logical < PROMPT + DECODE:
         compress_if_due()
+        rc.next_due = state.next_due(logical)
         feed([logical])
         logical += 1
     assert compressed_at == expected_schedule(trigger, budgets)

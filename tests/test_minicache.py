@@ -46,7 +46,7 @@ def expected_blocks(config: dict, prompt_len: int) -> tuple[int, ...]:
     cfg = KVCompressConfig.from_dict({**config, "layer_groups": NUM_LAYERS})
     parts = cfg.components()
     assert parts is not None
-    kept = cfg.resolve_budget(prompt_len, parts.scorer.min_budget()) if parts.scorer.evicts else prompt_len
+    kept = cfg.resolve_budget(prompt_len, parts.scorer.min_budget()) if parts.scorer.name != "keep_all" else prompt_len
     kept = min(kept, prompt_len)
     uppers = {up for _, up in parts.merge.pairs(NUM_LAYERS)}
     since = NEW_TOKENS - 1

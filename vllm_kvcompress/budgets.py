@@ -19,12 +19,18 @@ gets less.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from .compat import Problem
 from .limits import bounded
 from .retrieval_profile import CALIBRATE, load_profile
+from .scorers import Observe
+
+if TYPE_CHECKING:
+    from .config import KVCompressConfig
+    from .registry import Components
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,18 @@ class Allocation:
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
+
+    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
+        """Why this allocation cannot serve beside the other parts (None: it can)."""
+        if self.per_layer and config.num_layer_groups == 1:
+            return Problem("layer_groups", f"allocation {self.name!r} (policy {config.policy!r}) gives layers "
+                                           f"different budgets, which frees memory only with per-layer KV cache "
+                                           f"groups: start the engine with --kv-compress-layer-groups set to the "
+                                           f"number of layers (one group each) or a divisor of it (tiers)")
+        if self.from_attention and parts.scorer.observe is Observe.NOTHING:
+            return Problem("allocation", f"{self.name!r} shares the budget by observed attention; scorer "
+                                         f"{parts.scorer.name!r} observes none; valid with it: ['pyramid', 'uniform']")
+        return None
 
     def problem(self, num_layers: int) -> str | None:
         """Why this allocation cannot serve a model with `num_layers` compressed layers (None: it can)."""
@@ -137,6 +155,27 @@ class PerHead(Allocation):
     def validate(self) -> None:
         if not 0 <= self.alpha <= 1:  # also rejects NaN
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
+
+    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
+        problem = super().incompatible_with(parts, config)
+        if problem is not None:
+            return problem
+        scorer, trigger, selection = parts.scorer, parts.trigger, parts.selection
+        if scorer.same_for_every_head:
+            return Problem("allocation", f"'per_head' gives KV heads different budgets by their scores; scorer "
+                                         f"{scorer.name!r} scores every head of a layer alike (one selection per "
+                                         f"layer)")
+        if scorer.needs_keys:
+            return Problem("allocation", f"'per_head' derives head budgets while the prompt is observed, and scorer "
+                                         f"{scorer.name!r} reads the cached keys only when it compresses; valid with "
+                                         f"it: ['pyramid', 'uniform', 'adaptive']")
+        if trigger.repeats():
+            return Problem("trigger", f"allocation 'per_head' compresses once (per-head masks are not re-derived "
+                                      f"while rolling); use trigger 'once', not {trigger.name!r}")
+        if not selection.comparable_across_heads:
+            return Problem("selection", f"{selection.name!r} ranks tokens within each head, and allocation "
+                                        f"'per_head' compares scores across heads; valid with it: ['span', 'top']")
+        return None
 
     def head_counts(self, ranked: torch.Tensor, budget: int) -> torch.Tensor:
         # methods.md: the global top (num_kv_heads * budget) over all heads'

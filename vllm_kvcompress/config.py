@@ -25,7 +25,7 @@ from .budgets import ALLOCATIONS
 from .limits import Bound, EngineLimits, field_bound
 from .merge import MERGES
 from .registry import POLICIES, Components, component_classes
-from .scorers import SCORERS, Observe
+from .scorers import SCORERS
 from .selection import SELECTIONS
 from .triggers import TRIGGERS
 
@@ -290,86 +290,11 @@ class KVCompressConfig:
             if self.budget is not None or self.compression_ratio is not None:
                 raise _fail("policy", "a budget or compression_ratio needs a policy other than 'none'")
             return
-        scorer, allocation, trigger, selection = parts.scorer, parts.allocation, parts.trigger, parts.selection
-        if allocation.per_layer and self.num_layer_groups == 1:
-            raise _fail(
-                "layer_groups",
-                f"allocation {allocation.name!r} (policy {self.policy!r}) gives layers different budgets, "
-                "which frees memory only with per-layer KV cache groups: start the engine with "
-                "--kv-compress-layer-groups set to the number of layers (one group each) or a divisor "
-                "of it (tiers)",
-            )
-        if allocation.from_attention and scorer.observe is Observe.NOTHING:
-            raise _fail("allocation", f"{allocation.name!r} shares the budget by observed attention; scorer "
-                                      f"{scorer.name!r} observes none; valid with it: ['pyramid', 'uniform']")
-        if allocation.per_head and scorer.same_for_every_head:
-            raise _fail("allocation", f"'per_head' gives KV heads different budgets by their scores; scorer "
-                                      f"{scorer.name!r} scores every head of a layer alike (one selection per layer)")
-        if allocation.per_head and scorer.needs_keys:
-            raise _fail("allocation", f"'per_head' derives head budgets while the prompt is observed, and scorer "
-                                      f"{scorer.name!r} reads the cached keys only when it compresses; valid with "
-                                      f"it: ['pyramid', 'uniform', 'adaptive']")
-        if allocation.per_head and trigger.rolling:
-            raise _fail("trigger", f"allocation 'per_head' compresses once (per-head masks are not re-derived "
-                                   f"while rolling); use trigger 'once', not {trigger.name!r}")
-        if allocation.per_head and not selection.comparable_across_heads:
-            raise _fail("selection", f"{selection.name!r} ranks tokens within each head, and allocation "
-                                     f"'per_head' compares scores across heads; valid with it: ['span', 'top']")
-        if trigger.chunk_size() and scorer.observe is not Observe.NOTHING:
-            raise _fail("trigger", f"'streamed' evicts mid-prompt, which only scorers that observe no attention "
-                                   f"can do (streamingllm, window, random); scorer {scorer.name!r} observes "
-                                   f"{scorer.observe.value} queries")
-        if trigger.keeps_prompt:
-            if scorer.observe is Observe.WINDOW:
-                raise _fail("trigger", f"'decode' compresses generated tokens only, and scorer {scorer.name!r} "
-                                       f"observes only the prompt's last queries; valid with it: scorers that "
-                                       f"observe decode queries or none (h2o, tova, keyformer, rkv, "
-                                       f"streamingllm, random)")
-            if allocation.from_attention:
-                raise _fail("allocation", f"{allocation.name!r} shares the budget by the prompt's attention, which "
-                                          f"trigger 'decode' never compresses; valid with it: ['pyramid', 'uniform']")
-            if self.compression_ratio is not None:
-                raise _fail("compression_ratio", "trigger 'decode' keeps the prompt whole; give budget, the "
-                                                 "generated tokens kept")
-        if parts.merge.merges:
-            self._check_merge(parts)
-        if not scorer.evicts:
-            if self.budget is not None or self.compression_ratio is not None:
-                name = "budget" if self.budget is not None else "compression_ratio"
-                raise _fail(name, f"policy {self.policy!r} evicts nothing (it only merges); to evict, then "
-                                  f"merge, choose an evicting policy with merge {parts.merge.name!r} (e.g. snapkv)")
-            return
-        if (self.budget is None) == (self.compression_ratio is None):
-            raise _fail(
-                "budget",
-                f"policy {self.policy!r} needs exactly one of budget (tokens kept) "
-                "or compression_ratio (fraction removed, in [0, 1))",
-            )
-        if self.budget is not None and self.budget < scorer.min_budget():
-            raise _fail(
-                "budget",
-                f"{self.budget} is below the {scorer.min_budget()} tokens that policy "
-                f"{self.policy!r} always keeps (protected sinks/window); use a budget "
-                f">= {scorer.min_budget()} or shrink the protected tokens",
-            )
-
-    def _check_merge(self, parts: Components) -> None:
-        merge = parts.merge.name
-        if parts.trigger.name != "once":
-            raise _fail("trigger", f"merge {merge!r} merges the prompt's KV once, at prefill end; valid with it: "
-                                   f"['once'], not {parts.trigger.name!r}")
-        if parts.allocation.name != "uniform":
-            raise _fail("allocation", f"merge {merge!r} merges the two layers of a pair token by token, so they "
-                                      f"keep the same tokens; valid with it: ['uniform'], not "
-                                      f"{parts.allocation.name!r}")
-        if parts.scorer.needs_keys:
-            raise _fail("merge", f"scorer {parts.scorer.name!r} reads each layer's keys to select, and merge "
-                                 f"{merge!r} selects once per pair of layers; valid with it: scorers that read "
-                                 f"attention or positions (snapkv, h2o, tova, streamingllm, ...)")
-        if self.num_layer_groups == 1:
-            raise _fail("layer_groups", f"merge {merge!r} gives the upper layer of each merged pair its own, "
-                                        f"smaller block table: start the engine with --kv-compress-layer-groups "
-                                        f"set to the number of layers (one group each)")
+        # Each part states what it cannot serve beside the others.
+        for part in (parts.allocation, parts.trigger, parts.merge, parts.scorer):
+            problem = part.incompatible_with(parts, self)
+            if problem is not None:
+                raise _fail(problem.field, problem.reason)
 
     # ------------------------------------------------------------ using
 

@@ -30,11 +30,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from .compat import Problem
 from .limits import bounded
+
+if TYPE_CHECKING:
+    from .config import KVCompressConfig
+    from .registry import Components
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values
 
@@ -49,6 +54,10 @@ class Merge:
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
+
+    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
+        """Why this merge cannot serve beside the other parts (None: it can)."""
+        return None
 
     def pairs(self, num_layers: int) -> tuple[tuple[int, int], ...]:
         """(lower, upper) layer pairs that merge (layers counted among the compressed ones)."""
@@ -101,6 +110,24 @@ class MiniCache(Merge):
             raise ValueError(f"t must be in [0, 1], got {self.t}")
         if not 0.0 <= self.retain_ratio <= 1.0:
             raise ValueError(f"retain_ratio must be in [0, 1], got {self.retain_ratio}")
+
+    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
+        if parts.trigger.name != "once":
+            return Problem("trigger", f"merge {self.name!r} merges the prompt's KV once, at prefill end; valid with "
+                                      f"it: ['once'], not {parts.trigger.name!r}")
+        if parts.allocation.name != "uniform":
+            return Problem("allocation", f"merge {self.name!r} merges the two layers of a pair token by token, so "
+                                         f"they keep the same tokens; valid with it: ['uniform'], not "
+                                         f"{parts.allocation.name!r}")
+        if parts.scorer.needs_keys:
+            return Problem("merge", f"scorer {parts.scorer.name!r} reads each layer's keys to select, and merge "
+                                    f"{self.name!r} selects once per pair of layers; valid with it: scorers that "
+                                    f"read attention or positions (snapkv, h2o, tova, streamingllm, ...)")
+        if config.num_layer_groups == 1:
+            return Problem("layer_groups", f"merge {self.name!r} gives the upper layer of each merged pair its own, "
+                                           f"smaller block table: start the engine with --kv-compress-layer-groups "
+                                           f"set to the number of layers (one group each)")
+        return None
 
     def first_layer(self, num_layers: int) -> int:
         return num_layers // 2 if self.start_layer == -1 else self.start_layer

@@ -57,10 +57,10 @@ def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, blo
     parts = config.components()
     if parts is None:
         return None
-    protected = max(cached_len, prompt_len if parts.trigger.keeps_prompt else 0)
+    protected = max(cached_len, parts.trigger.protected_len(prompt_len))
     min_budget = parts.scorer.min_budget()
     # A compression_ratio applies to the part of the prompt that may be compressed.
-    compressible = None if parts.trigger.keeps_prompt else prompt_len - protected
+    compressible = None if parts.trigger.protected_len(prompt_len) else prompt_len - protected
     budget = config.resolve_budget(prompt_len - protected, min_budget)
     if parts.allocation.from_attention:
         layer_budgets = [budget] * num_layers

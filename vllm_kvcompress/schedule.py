@@ -95,10 +95,8 @@ class RequestSchedule:
         physical = self.physical(logical_len)
         over = [p - b for p, b in zip(physical, self.budgets)]
         targets = tuple(min(p, b) for p, b in zip(physical, self.budgets))
-        if logical_len < self.plan.prompt_len:
-            # Still prefilling: only a streamed prompt evicts, at chunk ends.
-            chunk = self.plan.trigger.chunk_size()
-            return targets if chunk and max(over) >= chunk else None
+        if logical_len < self.plan.prompt_len:  # still prefilling: the trigger says (streamed)
+            return targets if self.plan.trigger.due_in_prompt(max(over)) else None
         if not self.prefill_checked:
             # Prefill just ended: every trigger compresses an over-budget prompt.
             if self.budgets_pending:
@@ -106,9 +104,7 @@ class RequestSchedule:
                                    f"were not reported at the end of its prefill")
             self.prefill_checked = True
             return targets if max(over) > 0 else None
-        if self.plan.trigger.rolling and max(over) >= self.plan.interval:
-            return targets
-        return None
+        return targets if self.plan.trigger.due_after_prompt(max(over), self.plan.interval) else None
 
     def tokens_until_due(self, logical_len: int) -> int | None:
         """Most tokens the next step may compute before a compression is due (None: no limit).
@@ -129,9 +125,26 @@ class RequestSchedule:
             if chunk:
                 cap = min(cap, min(b + chunk - p for p, b in zip(physical, self.budgets)))
             return max(cap, 0)
-        if not self.plan.trigger.rolling:
+        return self.plan.trigger.tokens_until_due(min(b + self.plan.interval - p
+                                                      for p, b in zip(physical, self.budgets)))
+
+    def next_due(self, logical_len: int) -> int | None:
+        """The logical length at which this request next compresses, as things
+        stand (None: never): what the workers observe up to (R-KV's window of
+        queries before each compression). Called after this step's
+        compressions were planned."""
+        if self.plan is None or self.budgets is None:
             return None
-        return max(min(b + self.plan.interval - p for p, b in zip(physical, self.budgets)), 1)
+        trigger, prompt_len = self.plan.trigger, self.plan.prompt_len
+        if logical_len < prompt_len:
+            chunk = trigger.chunk_size()
+            if chunk:  # streamed: the next chunk end, or the prompt's end
+                return min(prompt_len, min(b + e + chunk for b, e in zip(self.budgets, self.num_evicted)))
+            if self.budgets_pending or max(prompt_len - e - b for b, e in zip(self.budgets, self.num_evicted)) > 0:
+                return prompt_len  # an over-budget prompt compresses at its end
+        # Past the prompt's compression: when the first group is an interval past its budget.
+        room = min(b + e + self.plan.interval for b, e in zip(self.budgets, self.num_evicted))
+        return max(room, logical_len) if trigger.repeats() else None
 
     def max_physical(self, total_len: int) -> int | None:
         """Most tokens the request holds while computing its first `total_len`
@@ -151,11 +164,8 @@ class RequestSchedule:
         most = max(self.budgets)
         # The prompt: whole, or a chunk past the budget at a time.
         hold = most + max(chunk, self.plan.interval) if chunk else prompt_len
-        # After it: the budget plus an interval (rolling), or every output (once).
-        if self.plan.trigger.rolling:
-            after = most + self.plan.interval
-        else:
-            after = min(most, prompt_len) + total_len - prompt_len
+        # After it: as the trigger says (the budget plus an interval, or every output).
+        after = self.plan.trigger.held_after_prompt(most, prompt_len, total_len, self.plan.interval)
         return min(total_len, max(hold, after))
 
     def _prompt_chunk(self) -> int:

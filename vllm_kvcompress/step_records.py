@@ -52,6 +52,10 @@ class StepPlan:
     compactions: list[Compaction] = field(default_factory=list)
     # logical - physical length per KV cache group of every scheduled request with a state.
     evicted: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # The logical length at which each scheduled request with a plan next
+    # compresses (None: never), as its schedule says after this step's
+    # compactions: the workers observe up to it (R-KV's window).
+    next_due: dict[str, int | None] = field(default_factory=dict)
     # Some scheduled request has a plan: the workers may run compression code
     # (and, under tensor parallelism, gather their failures at the step's end).
     compressing: bool = False

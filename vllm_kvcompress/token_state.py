@@ -62,10 +62,11 @@ class RequestTokens:
         self.num_kv_heads = num_kv_heads
         self.group = num_q_heads // num_kv_heads
         self.num_compressions = 0
-        # Logical length (tokens appended) and, for Observe.RECENT, where the
-        # next compression is due: the planner's rule for a uniform budget.
-        self.logical_len = 0
-        self._next_due = self._first_due()
+        self.logical_len = 0  # tokens appended
+        # Where the next compression is due (None: none is): the scheduler's
+        # schedule says, every step (StepPlan.next_due); Observe.RECENT
+        # observes the window of queries before it.
+        self.next_due: int | None = None
         # Positions per layer = what the last compaction kept ([Hkv, n], per
         # head) + the tokens appended since, one contiguous logical range shared
         # by every layer and head: appending costs O(1) per step.
@@ -94,7 +95,7 @@ class RequestTokens:
         if self.scorer.observe is Observe.NOTHING:
             return False
         # Compressing once, a prompt within budget is never compressed.
-        return self.plan.trigger.rolling or self.plan.compresses_prompt
+        return self.plan.trigger.repeats() or self.plan.compresses_prompt
 
     def observed(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool mask over this step's queries (logical positions) to observe."""
@@ -109,19 +110,15 @@ class RequestTokens:
             start = prompt_len - self.scorer.window_queries()
             return (q_positions >= start) & (q_positions < prompt_len) & unprotected
         if mode is Observe.RECENT:
-            start = self._next_due - self.scorer.window_queries()
-            return (q_positions >= start) & (q_positions < self._next_due) & unprotected
+            if self.next_due is None:
+                return torch.zeros_like(q_positions, dtype=torch.bool)
+            start = self.next_due - self.scorer.window_queries()
+            return (q_positions >= start) & (q_positions < self.next_due) & unprotected
         if mode is Observe.LAST:
             mask = torch.zeros_like(q_positions, dtype=torch.bool)
             mask[-1] = True
             return mask & unprotected
         return unprotected
-
-    def _first_due(self, layer_budgets=None) -> int:
-        """Logical length at which the first compression happens: the planner's
-        rule, decided by the layer that overflows first."""
-        held = self.plan.protected_len + min(layer_budgets or self.plan.layer_budgets)
-        return self.plan.prompt_len if self.plan.prompt_len > held else held + self.plan.interval
 
     def append(self, q_positions: torch.Tensor) -> None:
         """New tokens entered the cache (same positions in every layer/head)."""
@@ -222,10 +219,7 @@ class RequestTokens:
         attention = [self.shard.all_heads(a if a is not None else torch.zeros(self.num_q_heads, 0,
                                                                                device=self.device)).cpu()
                      for a in observed]
-        budgets = tuple(self.plan.allocation.attention_budgets(attention, self.plan.budget, self.scorer.min_budget()))
-        if self.num_compressions == 0:
-            self._next_due = self._first_due(budgets)
-        return budgets
+        return tuple(self.plan.allocation.attention_budgets(attention, self.plan.budget, self.scorer.min_budget()))
 
     def dead_slots(self, layer: int, num_slots: int) -> torch.Tensor | None:
         """[Hkv, num_slots] True where a head must not attend (None: nowhere)."""
@@ -326,8 +320,7 @@ class RequestTokens:
         """All layers are compacted: the appended tail now lives in `_kept`."""
         self._tail_len = 0
         self.num_compressions += 1
-        self._next_due = self.logical_len + self.plan.interval
-        if not self.plan.trigger.rolling or self.scorer.observe is Observe.RECENT:
+        if not self.plan.trigger.repeats() or self.scorer.observe is Observe.RECENT:
             # Never needed again (once), or the next window starts afresh (recent).
             self.attention = [None] * self.num_layers
 

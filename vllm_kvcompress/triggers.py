@@ -10,29 +10,68 @@
             the protected start, and `budget` counts generated tokens), the
             regime of long generations (R-KV, TriAttention); it composes with
             prefix caching completely, as no prompt block is ever rewritten
+
+Each trigger owns its rule: the schedule (schedule.py) keeps a request's
+lengths per KV cache group and asks the trigger whether a compression is due
+and where a step's tokens must stop; it never branches on the trigger's kind.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from .compat import Problem
 from .limits import bounded
+from .scorers import Observe
+
+if TYPE_CHECKING:
+    from .config import KVCompressConfig
+    from .registry import Components
 
 
 @dataclass(frozen=True)
 class Trigger:
+    """When a request compresses. `over`: how far the fullest KV cache group
+    is past its budget; `room`: how many tokens the first group to fill can
+    still take before it is an interval past its budget."""
+
     name: ClassVar[str]
-    rolling: ClassVar[bool] = False
-    # The whole prompt is protected: only tokens generated after it are evicted.
-    keeps_prompt: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
 
+    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
+        """Why this trigger cannot serve beside the other parts (None: it can)."""
+        return None
+
+    def protected_len(self, prompt_len: int) -> int:
+        """Leading tokens it never evicts (the budget counts the tokens after them)."""
+        return 0
+
     def chunk_size(self) -> int:
         """Prompt tokens prefilled between evictions; 0: the whole prompt first."""
         return 0
+
+    def due_in_prompt(self, over: int) -> bool:
+        """Whether a prompt still being prefilled compresses now."""
+        return False
+
+    def repeats(self) -> bool:
+        """Whether the request compresses again after its prompt (and so keeps observing)."""
+        return False
+
+    def due_after_prompt(self, over: int, interval: int) -> bool:
+        """Whether a request past its prompt's compression compresses now."""
+        return False
+
+    def tokens_until_due(self, room: int) -> int | None:
+        """Most tokens a step past the prompt may compute before the next compression (None: no limit)."""
+        return None
+
+    def held_after_prompt(self, budget: int, prompt_len: int, total_len: int, interval: int) -> int:
+        """Most tokens a request holds while it computes up to `total_len` tokens past its prompt."""
+        return min(budget, prompt_len) + total_len - prompt_len
 
 
 class Once(Trigger):  # no parameters: the base's dataclass serves
@@ -41,13 +80,23 @@ class Once(Trigger):  # no parameters: the base's dataclass serves
 
 class Rolling(Trigger):
     name = "rolling"
-    rolling = True
+
+    def repeats(self) -> bool:
+        return True
+
+    def due_after_prompt(self, over: int, interval: int) -> bool:
+        return over >= interval
+
+    def tokens_until_due(self, room: int) -> int | None:
+        return max(room, 1)
+
+    def held_after_prompt(self, budget: int, prompt_len: int, total_len: int, interval: int) -> int:
+        return budget + interval
 
 
 @dataclass(frozen=True)
-class Streamed(Trigger):
+class Streamed(Rolling):
     name = "streamed"
-    rolling = True
 
     prompt_chunk: int = field(default=128, metadata=bounded(
         1, "tokens", help="streamed: evict every this many prefilled prompt tokens, so a request holds at most "
@@ -57,14 +106,40 @@ class Streamed(Trigger):
         if self.prompt_chunk < 1:
             raise ValueError(f"prompt_chunk must be >= 1, got {self.prompt_chunk}")
 
+    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
+        observe = parts.scorer.observe
+        if observe is not Observe.NOTHING:
+            return Problem("trigger", f"'streamed' evicts mid-prompt, which only scorers that observe no attention "
+                                      f"can do (streamingllm, window, random); scorer {parts.scorer.name!r} observes "
+                                      f"{observe.value} queries")
+        return None
+
     def chunk_size(self) -> int:
         return self.prompt_chunk
 
+    def due_in_prompt(self, over: int) -> bool:
+        return over >= self.prompt_chunk
 
-class DecodeOnly(Trigger):
+
+class DecodeOnly(Rolling):
     name = "decode"
-    rolling = True
-    keeps_prompt = True
+
+    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
+        if parts.scorer.observe is Observe.WINDOW:
+            return Problem("trigger", f"'decode' compresses generated tokens only, and scorer {parts.scorer.name!r} "
+                                      f"observes only the prompt's last queries; valid with it: scorers that observe "
+                                      f"decode queries or none (h2o, tova, keyformer, rkv, streamingllm, random)")
+        if parts.allocation.from_attention:
+            return Problem("allocation", f"{parts.allocation.name!r} shares the budget by the prompt's attention, "
+                                         f"which trigger 'decode' never compresses; valid with it: "
+                                         f"['pyramid', 'uniform']")
+        if config.compression_ratio is not None:
+            return Problem("compression_ratio", "trigger 'decode' keeps the prompt whole; give budget, the "
+                                                "generated tokens kept")
+        return None
+
+    def protected_len(self, prompt_len: int) -> int:
+        return prompt_len
 
 
 TRIGGERS: dict[str, type[Trigger]] = {cls.name: cls for cls in (Once, Rolling, Streamed, DecodeOnly)}

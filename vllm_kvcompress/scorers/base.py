@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..compat import Problem
 from ..limits import bounded
 from ..sharding import ONE_DEVICE, HeadShard
+
+if TYPE_CHECKING:
+    from ..config import KVCompressConfig
+    from ..registry import Components
 
 
 class Observe(enum.Enum):
@@ -84,11 +89,20 @@ class Scorer:
     same_for_every_head: ClassVar[bool] = False
     # score() reads the cached keys (`Observation.keys`).
     needs_keys: ClassVar[bool] = False
-    # False: keeps every token (a composition that only merges); no budget.
-    evicts: ClassVar[bool] = True
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
+
+    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
+        """Why this scorer cannot serve with these parts and budget (None: it can)."""
+        if (config.budget is None) == (config.compression_ratio is None):
+            return Problem("budget", f"policy {config.policy!r} needs exactly one of budget (tokens kept) "
+                                     f"or compression_ratio (fraction removed, in [0, 1))")
+        if config.budget is not None and config.budget < self.min_budget():
+            return Problem("budget", f"{config.budget} is below the {self.min_budget()} tokens that policy "
+                                     f"{config.policy!r} always keeps (protected sinks/window); use a budget "
+                                     f">= {self.min_budget()} or shrink the protected tokens")
+        return None
 
     def protected(self, budget: int) -> tuple[int, int]:
         """(sink tokens, recent tokens) that are never evicted at this budget."""

@@ -206,8 +206,12 @@ class KVCompressScheduler(Scheduler):
             for rid in output.num_scheduled_tokens
             if rid in self.kvc_states
         }
-        compressing = any(self.kvc_states[rid].plan is not None for rid in evicted)
-        attach_step_plan(output, StepPlan(started=started, compactions=ops, evicted=evicted, compressing=compressing))
+        # Where each next compresses, from the lengths before this step's tokens.
+        next_due = {rid: self.kvc_states[rid].next_due(self.requests[rid].num_computed_tokens - n)
+                    for rid, n in output.num_scheduled_tokens.items()
+                    if rid in self.kvc_states and self.kvc_states[rid].plan is not None}
+        attach_step_plan(output, StepPlan(started=started, compactions=ops, evicted=evicted, next_due=next_due,
+                                          compressing=bool(next_due)))
         if ops:
             self._write_snapshot()
         return output

@@ -174,6 +174,10 @@ class WorkerCompression:
                 with self.isolated(started.request_id, "start"):
                     self.states[started.request_id] = RequestTokens(
                         started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard, self.device)
+        for rid, due in plan.next_due.items():
+            state = self.states.get(rid)
+            if state is not None:
+                state.next_due = due
         if plan.compactions:
             start = time.perf_counter()
             compact_requests(self, plan.compactions)
