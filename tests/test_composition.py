@@ -40,6 +40,7 @@ SCORER_PARAMS = {
     "streamingllm": {"sink_tokens": 4},
     "random": {"window": 4, "seed": 3},
     "rkv": {"window": 4, "kernel_size": 3, "mix_lambda": 0.5, "threshold": 0.3},
+    "knorm": {},
 }
 ATTENTION_SCORERS = {"snapkv", "h2o", "tova", "keyformer", "rkv"}
 KEY_DIM = 4  # synthetic cached keys, for R-KV's redundancy
@@ -144,6 +145,8 @@ def naive_scores(scorer: str, kv_head: int, layer: int, positions: list[int], at
     if scorer == "random":  # the hash itself is the definition (tested in test_core)
         return hash_uniform(params["seed"], torch.tensor(layer), torch.tensor(num_compressions),
                             torch.tensor(kv_head), torch.tensor(positions)).tolist()
+    if scorer == "knorm":  # the key's L2 norm, negated: the smallest norms are kept
+        return [-math.sqrt(sum(x * x for x in key_vector(layer, kv_head, p))) for p in positions]
     # TOVA: all query heads of the layer (one selection); the others: the KV head's group.
     heads = range(HQ) if scorer == "tova" else range(kv_head * GROUP, (kv_head + 1) * GROUP)
     scores = group_mean([[attention.get((q, p), 0.0) for p in positions] for q in heads])

@@ -12,7 +12,7 @@ from vllm_kvcompress.kernels import get_ops
 from vllm_kvcompress.kernels.torch_ops import pool_scores, reduce_gqa
 from vllm_kvcompress.plan import resolve_plan
 from vllm_kvcompress.schedule import RequestSchedule, layer_groups
-from vllm_kvcompress.scorers import hash_uniform
+from vllm_kvcompress.scorers import Observation, hash_uniform
 from vllm_kvcompress.selection import select_keep
 from vllm_kvcompress.token_state import RequestTokens
 
@@ -415,3 +415,22 @@ def test_reference_decoder_without_compression_equals_transformers(tiny_model):
     want = ref.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
                               min_new_tokens=24)[0, len(prompt):].tolist()
     assert ref.generate(prompt, 24)["tokens"] == want
+
+
+def test_a_scorer_is_one_module_of_the_scorers_package():
+    """A new scorer is its own file (discovered by name) plus a policy line in
+    registry.py: knorm (kvpress's KnormPress) landed that way."""
+    import pkgutil
+
+    import vllm_kvcompress.scorers as package
+    from vllm_kvcompress.registry import POLICIES
+    from vllm_kvcompress.scorers import SCORERS
+    from vllm_kvcompress.scorers.knorm import Knorm
+
+    modules = {m.name for m in pkgutil.iter_modules(package.__path__)} - {"base"}
+    assert {cls.__module__.rsplit(".", 1)[1] for cls in SCORERS.values()} == modules
+    assert SCORERS["knorm"] is Knorm and POLICIES["knorm"].scorer == "knorm"
+    keys = torch.tensor([[[3.0, 4.0], [0.0, 1.0], [1.0, 1.0]]])  # norms 5, 1, sqrt 2
+    obs = Observation(attention=None, positions=torch.arange(3).view(1, 3), num_kv_heads=1, layer=0,
+                      num_compressions=0, keys=keys)
+    assert Knorm().score(obs).argsort(descending=True).tolist() == [[1, 2, 0]]

@@ -49,6 +49,7 @@ POLICIES: dict[str, Composition] = {
     "window": Composition("streamingllm", trigger="rolling", defaults={"sink_tokens": 0}),
     "random": Composition("random", trigger="rolling"),
     "rkv": Composition("rkv", trigger="decode"),
+    "knorm": Composition("knorm"),
     # Nothing evicted: the prompt's KV merged across depth at prefill end.
     "minicache": Composition("keep_all", merge="minicache"),
 }
