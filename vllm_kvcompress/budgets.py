@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .compat import Problem
+from .compat import Problem, first_problem
 from .limits import bounded
 from .retrieval_profile import CALIBRATE, load_profile
 from .scorers import Observe
@@ -49,15 +49,14 @@ class Allocation:
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         """Why this allocation cannot serve beside the other parts (None: it can)."""
-        if self.per_layer and config.num_layer_groups == 1:
-            return Problem("layer_groups", f"allocation {self.name!r} (policy {config.policy!r}) gives layers "
-                                           f"different budgets, which frees memory only with per-layer KV cache "
-                                           f"groups: start the engine with --kv-compress-layer-groups set to the "
-                                           f"number of layers (one group each) or a divisor of it (tiers)")
-        if self.from_attention and parts.scorer.observe is Observe.NOTHING:
-            return Problem("allocation", f"{self.name!r} shares the budget by observed attention; scorer "
-                                         f"{parts.scorer.name!r} observes none; valid with it: ['pyramid', 'uniform']")
-        return None
+        return first_problem(
+            (self.per_layer and config.num_layer_groups == 1, "layer_groups",
+             f"allocation {self.name!r} (policy {config.policy!r}) gives layers different budgets, which frees "
+             f"memory only with per-layer KV cache groups: start the engine with --kv-compress-layer-groups set to "
+             f"the number of layers (one group each) or a divisor of it (tiers)"),
+            (self.from_attention and parts.scorer.observe is Observe.NOTHING, "allocation",
+             f"{self.name!r} shares the budget by observed attention; scorer {parts.scorer.name!r} observes none; "
+             f"valid with it: ['pyramid', 'uniform']"))
 
     def problem(self, num_layers: int) -> str | None:
         """Why this allocation cannot serve a model with `num_layers` compressed layers (None: it can)."""
@@ -161,21 +160,19 @@ class PerHead(Allocation):
         if problem is not None:
             return problem
         scorer, trigger, selection = parts.scorer, parts.trigger, parts.selection
-        if scorer.same_for_every_head:
-            return Problem("allocation", f"'per_head' gives KV heads different budgets by their scores; scorer "
-                                         f"{scorer.name!r} scores every head of a layer alike (one selection per "
-                                         f"layer)")
-        if scorer.needs_keys:
-            return Problem("allocation", f"'per_head' derives head budgets while the prompt is observed, and scorer "
-                                         f"{scorer.name!r} reads the cached keys only when it compresses; valid with "
-                                         f"it: ['pyramid', 'uniform', 'adaptive']")
-        if trigger.repeats():
-            return Problem("trigger", f"allocation 'per_head' compresses once (per-head masks are not re-derived "
-                                      f"while rolling); use trigger 'once', not {trigger.name!r}")
-        if not selection.comparable_across_heads:
-            return Problem("selection", f"{selection.name!r} ranks tokens within each head, and allocation "
-                                        f"'per_head' compares scores across heads; valid with it: ['span', 'top']")
-        return None
+        return first_problem(
+            (scorer.same_for_every_head, "allocation",
+             f"'per_head' gives KV heads different budgets by their scores; scorer {scorer.name!r} scores every "
+             f"head of a layer alike (one selection per layer)"),
+            (scorer.needs_keys, "allocation",
+             f"'per_head' derives head budgets while the prompt is observed, and scorer {scorer.name!r} reads the "
+             f"cached keys only when it compresses; valid with it: ['pyramid', 'uniform', 'adaptive']"),
+            (trigger.repeats(), "trigger",
+             f"allocation 'per_head' compresses once (per-head masks are not re-derived while rolling); use "
+             f"trigger 'once', not {trigger.name!r}"),
+            (not selection.comparable_across_heads, "selection",
+             f"{selection.name!r} ranks tokens within each head, and allocation 'per_head' compares scores across "
+             f"heads; valid with it: ['span', 'top']"))
 
     def head_counts(self, ranked: torch.Tensor, budget: int) -> torch.Tensor:
         # methods.md: the global top (num_kv_heads * budget) over all heads'

@@ -11,3 +11,12 @@ class Problem:
 
     field: str
     reason: str
+
+
+def first_problem(*checks: tuple[bool, str, str]) -> Problem | None:
+    """The first (condition, field, reason) whose condition holds, as a Problem
+    (None: none holds). A component lists what it cannot serve beside, in order."""
+    for condition, field, reason in checks:
+        if condition:
+            return Problem(field, reason)
+    return None

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .compat import Problem
+from .compat import Problem, first_problem
 from .limits import bounded
 
 if TYPE_CHECKING:
@@ -93,6 +93,8 @@ class NoMerge(Merge):  # no parameters: the base's dataclass serves
 
 @dataclass(frozen=True)
 class MiniCache(Merge):
+    """Adjacent layers from `start_layer` up merged pairwise at prefill end (module docstring)."""
+
     name = "minicache"
     merges = True
 
@@ -112,22 +114,20 @@ class MiniCache(Merge):
             raise ValueError(f"retain_ratio must be in [0, 1], got {self.retain_ratio}")
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
-        if parts.trigger.name != "once":
-            return Problem("trigger", f"merge {self.name!r} merges the prompt's KV once, at prefill end; valid with "
-                                      f"it: ['once'], not {parts.trigger.name!r}")
-        if parts.allocation.name != "uniform":
-            return Problem("allocation", f"merge {self.name!r} merges the two layers of a pair token by token, so "
-                                         f"they keep the same tokens; valid with it: ['uniform'], not "
-                                         f"{parts.allocation.name!r}")
-        if parts.scorer.needs_keys:
-            return Problem("merge", f"scorer {parts.scorer.name!r} reads each layer's keys to select, and merge "
-                                    f"{self.name!r} selects once per pair of layers; valid with it: scorers that "
-                                    f"read attention or positions (snapkv, h2o, tova, streamingllm, ...)")
-        if config.num_layer_groups == 1:
-            return Problem("layer_groups", f"merge {self.name!r} gives the upper layer of each merged pair its own, "
-                                           f"smaller block table: start the engine with --kv-compress-layer-groups "
-                                           f"set to the number of layers (one group each)")
-        return None
+        return first_problem(
+            (parts.trigger.name != "once", "trigger",
+             f"merge {self.name!r} merges the prompt's KV once, at prefill end; valid with it: ['once'], not "
+             f"{parts.trigger.name!r}"),
+            (parts.allocation.name != "uniform", "allocation",
+             f"merge {self.name!r} merges the two layers of a pair token by token, so they keep the same tokens; "
+             f"valid with it: ['uniform'], not {parts.allocation.name!r}"),
+            (parts.scorer.needs_keys, "merge",
+             f"scorer {parts.scorer.name!r} reads each layer's keys to select, and merge {self.name!r} selects once "
+             f"per pair of layers; valid with it: scorers that read attention or positions (snapkv, h2o, tova, "
+             f"streamingllm, ...)"),
+            (config.num_layer_groups == 1, "layer_groups",
+             f"merge {self.name!r} gives the upper layer of each merged pair its own, smaller block table: start "
+             f"the engine with --kv-compress-layer-groups set to the number of layers (one group each)"))
 
     def first_layer(self, num_layers: int) -> int:
         return num_layers // 2 if self.start_layer == -1 else self.start_layer

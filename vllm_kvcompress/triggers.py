@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from .compat import Problem
+from .compat import Problem, first_problem
 from .limits import bounded
 from .scorers import Observe
 
@@ -108,11 +108,10 @@ class Streamed(Rolling):
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         observe = parts.scorer.observe
-        if observe is not Observe.NOTHING:
-            return Problem("trigger", f"'streamed' evicts mid-prompt, which only scorers that observe no attention "
-                                      f"can do (streamingllm, window, random); scorer {parts.scorer.name!r} observes "
-                                      f"{observe.value} queries")
-        return None
+        return first_problem(
+            (observe is not Observe.NOTHING, "trigger",
+             f"'streamed' evicts mid-prompt, which only scorers that observe no attention can do (streamingllm, "
+             f"window, random); scorer {parts.scorer.name!r} observes {observe.value} queries"))
 
     def chunk_size(self) -> int:
         return self.prompt_chunk
@@ -125,18 +124,16 @@ class DecodeOnly(Rolling):
     name = "decode"
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
-        if parts.scorer.observe is Observe.WINDOW:
-            return Problem("trigger", f"'decode' compresses generated tokens only, and scorer {parts.scorer.name!r} "
-                                      f"observes only the prompt's last queries; valid with it: scorers that observe "
-                                      f"decode queries or none (h2o, tova, keyformer, rkv, streamingllm, random)")
-        if parts.allocation.from_attention:
-            return Problem("allocation", f"{parts.allocation.name!r} shares the budget by the prompt's attention, "
-                                         f"which trigger 'decode' never compresses; valid with it: "
-                                         f"['pyramid', 'uniform']")
-        if config.compression_ratio is not None:
-            return Problem("compression_ratio", "trigger 'decode' keeps the prompt whole; give budget, the "
-                                                "generated tokens kept")
-        return None
+        return first_problem(
+            (parts.scorer.observe is Observe.WINDOW, "trigger",
+             f"'decode' compresses generated tokens only, and scorer {parts.scorer.name!r} observes only the "
+             f"prompt's last queries; valid with it: scorers that observe decode queries or none (h2o, tova, "
+             f"keyformer, rkv, streamingllm, random)"),
+            (parts.allocation.from_attention, "allocation",
+             f"{parts.allocation.name!r} shares the budget by the prompt's attention, which trigger 'decode' never "
+             f"compresses; valid with it: ['pyramid', 'uniform']"),
+            (config.compression_ratio is not None, "compression_ratio",
+             "trigger 'decode' keeps the prompt whole; give budget, the generated tokens kept"))
 
     def protected_len(self, prompt_len: int) -> int:
         return prompt_len

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..compat import Problem
+from ..compat import Problem, first_problem
 from ..limits import bounded
 from ..sharding import ONE_DEVICE, HeadShard
 
@@ -95,14 +95,14 @@ class Scorer:
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         """Why this scorer cannot serve with these parts and budget (None: it can)."""
-        if (config.budget is None) == (config.compression_ratio is None):
-            return Problem("budget", f"policy {config.policy!r} needs exactly one of budget (tokens kept) "
-                                     f"or compression_ratio (fraction removed, in [0, 1))")
-        if config.budget is not None and config.budget < self.min_budget():
-            return Problem("budget", f"{config.budget} is below the {self.min_budget()} tokens that policy "
-                                     f"{config.policy!r} always keeps (protected sinks/window); use a budget "
-                                     f">= {self.min_budget()} or shrink the protected tokens")
-        return None
+        least = self.min_budget()
+        return first_problem(
+            ((config.budget is None) == (config.compression_ratio is None), "budget",
+             f"policy {config.policy!r} needs exactly one of budget (tokens kept) or compression_ratio (fraction "
+             f"removed, in [0, 1))"),
+            (config.budget is not None and config.budget < least, "budget",
+             f"{config.budget} is below the {least} tokens that policy {config.policy!r} always keeps (protected "
+             f"sinks/window); use a budget >= {least} or shrink the protected tokens"))
 
     def protected(self, budget: int) -> tuple[int, int]:
         """(sink tokens, recent tokens) that are never evicted at this budget."""
