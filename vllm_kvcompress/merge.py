@@ -88,13 +88,13 @@ class Merge:
 
 
 class NoMerge(Merge):  # no parameters: the base's dataclass serves
+    """Every layer keeps its own keys and values."""
+
     name = "none"
 
 
 @dataclass(frozen=True)
 class MiniCache(Merge):
-    """Adjacent layers from `start_layer` up merged pairwise at prefill end (module docstring)."""
-
     name = "minicache"
     merges = True
 
