@@ -2,7 +2,7 @@
 
 A decode query that a plain-softmax scorer observes (h2o, tova, rkv) gets its
 attention and its scores from one op, `decode_attention_with_scores`, while
-vLLM's kernel attends one key for that row (see README, "Fused decode"). This
+vLLM's kernel attends one key for that row (see docs/internals.md, "Fused decode"). This
 script times that against the path it replaced (vLLM's attention, then the
 scoring op over the same keys) on one in-process engine, switching between
 the two between runs of the same requests (the switch is this script's: it

@@ -28,8 +28,8 @@ strongest attention on the very token being copied), is what holds the
 answers at kept 1/8 on SmolLM2-135M: a copy-hit profile names five heads in
 four layers (18.2, 17.1, 23.0, 6.0, 21.2), and budgets that follow it keep
 multi-query needles whole in those heads and still lose them (0.48 of full
-KV's 0.75); the mass also ranks the heads that look the needles up (README,
-Quality).
+KV's 0.75); the mass also ranks the heads that look the needles up (docs/
+evaluation.md, Quality).
 
 
 The file's format and loader: `vllm_kvcompress.retrieval_profile`.

@@ -89,7 +89,7 @@ def test_prefix_cached_requests_survive_preemption(start_engine, tiny_model, ref
     # The first to compute the system prompt is an uncompressed filler: a
     # compressed request whose own rewritten blocks others share must copy
     # them, and under this pressure it would wait a step for room (logged,
-    # README Limits), off the reference's schedule.
+    # docs/deployment.md, prefix caching), off the reference's schedule.
     fillers[0] = system + fillers[0][len(system):]
     prompts = [system + p for p in random_prompts([90 + 7 * i for i in range(6)], seed=82)]
     configs = [{"policy": "h2o", "budget": 64}, {"policy": "snapkv", "budget": 64, "window": 8},

@@ -225,7 +225,7 @@ class Retrieval(Allocation):
         return None
 
     def layer_budgets(self, budget: int, num_layers: int, prompt_len: int | None, min_budget: int) -> list[int]:
-        # README, Allocations: each layer keeps its protected tokens, (1 - share)
+        # docs/policies.md, allocations: each layer keeps its protected tokens, (1 - share)
         # of the rest of the budget, and its part of share * the rest summed over
         # layers in proportion to the layer's retrieval score; a layer wanting
         # more than the prompt holds passes the excess on (same mean).

@@ -37,7 +37,7 @@ POLICIES: dict[str, Composition] = {
     "snapkv": Composition("snapkv"),
     # The recommended setting: SnapKV's scores with span carry, so a kept
     # token keeps the 15 that follow it (a needle's digits, a value), the
-    # first 4 tokens kept as attention sinks (README, Quality).
+    # first 4 tokens kept as attention sinks (docs/evaluation.md, Quality).
     "snapkv-span": Composition("snapkv", selection="span", defaults={"span": 16, "sink_tokens": 4}),
     "pyramidkv": Composition("snapkv", allocation="pyramid"),
     "adaptive": Composition("snapkv", allocation="adaptive"),

@@ -28,7 +28,7 @@ class SnapKV(KeepsObservationWindow):
     # Observing more queries than it keeps lets a question that sits before
     # the answer prefix pick the tokens it asks about, while its own tokens
     # compete for the budget on their scores. On SmolLM2-135M's suite at an
-    # eighth of the prompt it kept less than the default (README, Quality).
+    # eighth of the prompt it kept less than the default (docs/evaluation.md, Quality).
     kept_window: int = field(default=-1, metadata=bounded(
         -1, "tokens", help="snapkv: the newest window tokens always kept (-1: the whole window); the older "
                 "window tokens are scored like the prefix"))

@@ -134,7 +134,7 @@ class WorkerCompression:
         request alone (its state is dropped, the scheduler finishes it with
         an error) and the step goes on for the others. Batched ops over
         several requests are not run inside: their sizes are checked and their
-        scratch bounded by construction (README, Reliability)."""
+        scratch bounded by construction (docs/reliability.md)."""
         try:
             yield
         except Exception as e:  # noqa: BLE001 - any failure of one request's compression
