@@ -26,7 +26,6 @@ import torch
 from .compat import Problem, first_problem
 from .limits import bounded
 from .retrieval_profile import CALIBRATE, load_profile
-from .scorers import Observe
 
 if TYPE_CHECKING:
     from .config import KVCompressConfig
@@ -54,7 +53,7 @@ class Allocation:
              f"allocation {self.name!r} (policy {config.policy!r}) gives layers different budgets, which frees "
              f"memory only with per-layer KV cache groups: start the engine with --kv-compress-layer-groups set to "
              f"the number of layers (one group each) or a divisor of it (tiers)"),
-            (self.from_attention and parts.scorer.observe is Observe.NOTHING, "allocation",
+            (self.from_attention and not parts.scorer.observe.attends(), "allocation",
              f"{self.name!r} shares the budget by observed attention; scorer {parts.scorer.name!r} observes none; "
              f"valid with it: ['pyramid', 'uniform']"))
 

@@ -16,7 +16,7 @@ import torch
 
 from .merge import MergedTensor
 from .plan import CompressionPlan
-from .scorers import Observation, Observe
+from .scorers import Observation
 from .selection import rank_scores, select_keep, select_keep_per_head
 from .sharding import ONE_DEVICE, HeadShard
 
@@ -64,8 +64,8 @@ class RequestTokens:
         self.num_compressions = 0
         self.logical_len = 0  # tokens appended
         # Where the next compression is due (None: none is): the scheduler's
-        # schedule says, every step (StepPlan.next_due); Observe.RECENT
-        # observes the window of queries before it.
+        # schedule says, every step (StepPlan.next_due); R-KV observes the
+        # window of queries before it (Observe.RECENT).
         self.next_due: int | None = None
         # Positions per layer = what the last compaction kept ([Hkv, n], per
         # head) + the tokens appended since, one contiguous logical range shared
@@ -92,33 +92,20 @@ class RequestTokens:
     @property
     def needs_attention(self) -> bool:
         """Whether any query's attention can still influence a compression."""
-        if self.scorer.observe is Observe.NOTHING:
+        if not self.scorer.observe.attends():
             return False
         # Compressing once, a prompt within budget is never compressed.
         return self.plan.trigger.repeats() or self.plan.compresses_prompt
 
     def observed(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool mask over this step's queries (logical positions) to observe."""
-        mode = self.scorer.observe
         if not self.needs_attention:
             return torch.zeros_like(q_positions, dtype=torch.bool)
         # Queries in the protected start attend only protected keys: nothing to
         # learn from them (and the engine never computes prefix-cache hits).
         unprotected = q_positions >= self.plan.protected_len
-        if mode is Observe.WINDOW:
-            prompt_len = self.plan.prompt_len
-            start = prompt_len - self.scorer.window_queries()
-            return (q_positions >= start) & (q_positions < prompt_len) & unprotected
-        if mode is Observe.RECENT:
-            if self.next_due is None:
-                return torch.zeros_like(q_positions, dtype=torch.bool)
-            start = self.next_due - self.scorer.window_queries()
-            return (q_positions >= start) & (q_positions < self.next_due) & unprotected
-        if mode is Observe.LAST:
-            mask = torch.zeros_like(q_positions, dtype=torch.bool)
-            mask[-1] = True
-            return mask & unprotected
-        return unprotected
+        return self.scorer.observe.queries(q_positions, self.plan.prompt_len, self.scorer.window_queries(),
+                                           self.next_due) & unprotected
 
     def append(self, q_positions: torch.Tensor) -> None:
         """New tokens entered the cache (same positions in every layer/head)."""
@@ -168,7 +155,7 @@ class RequestTokens:
         if noise is not None:
             logits = (logits + noise.noise.to(logits.device)) / noise.tau
         probs = torch.softmax(logits.to(torch.float32), dim=-1)
-        self.accumulate(layer, probs[:, -1] if self.scorer.observe is Observe.LAST else probs.sum(dim=1))
+        self.accumulate(layer, self.scorer.observe.reduce(probs))
 
     def accumulate(self, layer: int, attention: torch.Tensor) -> None:
         """Add this step's [Hq, T] attention (summed over its observed queries),
@@ -185,13 +172,10 @@ class RequestTokens:
         if acc is None or acc.shape[-1] < width:
             slack = min(max(self.plan.interval, 1), SCORE_SLACK_TOKENS)
             grown = torch.zeros(attention.shape[0], width + slack, dtype=torch.float32, device=attention.device)
-            if acc is not None and self.scorer.observe is not Observe.LAST:
+            if acc is not None and self.scorer.observe.keeps_history():
                 grown[:, : acc.shape[-1]] = acc
             acc = self.attention[layer] = grown
-        if self.scorer.observe is Observe.LAST:  # the newest query replaces the last one
-            acc[:, :width] = attention
-        else:
-            acc[:, :width] += attention
+        self.scorer.observe.join(acc[:, :width], attention)
 
     def _observed(self, layer: int) -> torch.Tensor | None:
         """[Hq, T] accumulated attention of the layer's T cached tokens (None: nothing observed)."""
@@ -320,7 +304,7 @@ class RequestTokens:
         """All layers are compacted: the appended tail now lives in `_kept`."""
         self._tail_len = 0
         self.num_compressions += 1
-        if not self.plan.trigger.repeats() or self.scorer.observe is Observe.RECENT:
+        if not self.plan.trigger.repeats() or self.scorer.observe.afresh_after_compaction():
             # Never needed again (once), or the next window starts afresh (recent).
             self.attention = [None] * self.num_layers
 

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, ClassVar
 
 from .compat import Problem, first_problem
 from .limits import bounded
-from .scorers import Observe
 
 if TYPE_CHECKING:
     from .config import KVCompressConfig
@@ -109,7 +108,7 @@ class Streamed(Rolling):
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         observe = parts.scorer.observe
         return first_problem(
-            (observe is not Observe.NOTHING, "trigger",
+            (observe.attends(), "trigger",
              f"'streamed' evicts mid-prompt, which only scorers that observe no attention can do (streamingllm, "
              f"window, random); scorer {parts.scorer.name!r} observes {observe.value} queries"))
 
@@ -125,7 +124,7 @@ class DecodeOnly(Rolling):
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         return first_problem(
-            (parts.scorer.observe is Observe.WINDOW, "trigger",
+            (parts.scorer.observe.prompt_only(), "trigger",
              f"'decode' compresses generated tokens only, and scorer {parts.scorer.name!r} observes only the "
              f"prompt's last queries; valid with it: scorers that observe decode queries or none (h2o, tova, "
              f"keyformer, rkv, streamingllm, random)"),

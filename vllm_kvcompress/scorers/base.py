@@ -11,7 +11,6 @@ combinations).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -26,16 +25,109 @@ if TYPE_CHECKING:
     from ..registry import Components
 
 
-class Observe(enum.Enum):
-    """Which queries' attention a scorer accumulates while the request runs."""
+class Observes:
+    """Which queries' attention a scorer accumulates while the request runs,
+    and how a step's attention joins what was accumulated. The request's
+    token state (token_state.py) asks; it never branches on the kind."""
 
-    NOTHING = "nothing"  # scores from positions (or chance) alone
-    WINDOW = "window"  # the last `window` prompt queries (SnapKV family)
-    ALL = "all"  # every query, prompt and decode, summed (H2O family)
-    LAST = "last"  # only the newest query; each step replaces the last (TOVA)
+    value: ClassVar[str]  # how messages name it
+
+    def attends(self) -> bool:
+        """Whether any query's attention is observed at all."""
+        return True
+
+    def prompt_only(self) -> bool:
+        """Whether only prompt queries are observed (nothing while decoding)."""
+        return False
+
+    def queries(self, q_positions: torch.Tensor, prompt_len: int, window: int,
+                next_due: int | None) -> torch.Tensor:
+        """Bool mask over a step's queries (logical positions) to observe,
+        before the protected start is taken out; `next_due`: where the next
+        compression happens (None: none will)."""
+        return torch.ones_like(q_positions, dtype=torch.bool)
+
+    def reduce(self, probs: torch.Tensor) -> torch.Tensor:
+        """[Hq, n, T] probabilities of the observed queries -> the step's [Hq, T]."""
+        return probs.sum(dim=1)
+
+    def join(self, accumulated: torch.Tensor, step: torch.Tensor) -> None:
+        """Fold a step's [Hq, T] attention into the accumulated [Hq, T], in place."""
+        accumulated += step
+
+    def keeps_history(self) -> bool:
+        """Whether earlier steps' attention stays in the scores (a grown buffer copies it)."""
+        return True
+
+    def afresh_after_compaction(self) -> bool:
+        """Whether each compression's observation starts from nothing."""
+        return False
+
+
+class ObservesNothing(Observes):
+    value = "nothing"  # scores from positions, keys or chance alone
+
+    def attends(self) -> bool:
+        return False
+
+    def queries(self, q_positions, prompt_len, window, next_due):
+        return torch.zeros_like(q_positions, dtype=torch.bool)
+
+
+class ObservesWindow(Observes):
+    value = "window"  # the last `window` prompt queries (SnapKV family)
+
+    def prompt_only(self) -> bool:
+        return True
+
+    def queries(self, q_positions, prompt_len, window, next_due):
+        return (q_positions >= prompt_len - window) & (q_positions < prompt_len)
+
+
+class ObservesAll(Observes):
+    value = "all"  # every query, prompt and decode, summed (H2O family)
+
+
+class ObservesLast(Observes):
+    value = "last"  # only the newest query; each step replaces the last (TOVA)
+
+    def queries(self, q_positions, prompt_len, window, next_due):
+        mask = torch.zeros_like(q_positions, dtype=torch.bool)
+        mask[-1] = True
+        return mask
+
+    def reduce(self, probs: torch.Tensor) -> torch.Tensor:
+        return probs[:, -1]
+
+    def join(self, accumulated: torch.Tensor, step: torch.Tensor) -> None:
+        accumulated.copy_(step)
+
+    def keeps_history(self) -> bool:
+        return False
+
+
+class ObservesRecent(Observes):
     # The last `window` queries before each compression, summed; cleared after
     # it (R-KV's observation window, at every rolling compression).
-    RECENT = "recent"
+    value = "recent"
+
+    def queries(self, q_positions, prompt_len, window, next_due):
+        if next_due is None:
+            return torch.zeros_like(q_positions, dtype=torch.bool)
+        return (q_positions >= next_due - window) & (q_positions < next_due)
+
+    def afresh_after_compaction(self) -> bool:
+        return True
+
+
+class Observe:
+    """The observation kinds a scorer declares (`observe = Observe.ALL`)."""
+
+    NOTHING = ObservesNothing()
+    WINDOW = ObservesWindow()
+    ALL = ObservesAll()
+    LAST = ObservesLast()
+    RECENT = ObservesRecent()
 
 
 @dataclass
@@ -79,7 +171,7 @@ class Scorer:
     """Base class of every scorer. Subclasses are frozen dataclasses."""
 
     name: ClassVar[str]
-    observe: ClassVar[Observe] = Observe.NOTHING
+    observe: ClassVar[Observes] = Observe.NOTHING
     # Scores depend on positions alone, the same in every layer: one
     # selection serves all layers of a compaction.
     same_in_every_layer: ClassVar[bool] = False
