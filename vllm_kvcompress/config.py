@@ -262,10 +262,6 @@ class KVCompressConfig:
             out.update({name: value for name, value in fixed.items() if name in fields and name not in out})
         return KVCompressConfig.from_dict(out, limits)
 
-    def check_limits(self, limits: EngineLimits) -> None:
-        """Raise KVCompressConfigError for a value out of its range on this engine."""
-        KVCompressConfig.from_dict(self.to_dict(), limits)
-
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy}
         for name in _OPTIONAL_FIELDS:

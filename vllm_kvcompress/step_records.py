@@ -9,6 +9,7 @@ started with their plans, compactions, physical offsets) and the workers'
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from .plan import CompressionPlan
@@ -75,6 +76,13 @@ class WorkerReport:
 
     layer_budgets: tuple[ReportedBudgets, ...] = ()  # derived from prompts' attention
     failed: tuple[str, ...] = ()  # requests whose compression raised: each finishes with an error
+
+
+def log_failure(request_id: str, what: str, error: BaseException) -> None:
+    """What the scheduler and the workers log when one request's compression raises."""
+    logging.getLogger("vllm.kvcompress").error(
+        "kv_compress %s: %s failed (%s: %s); the request finishes with an error, the others go on",
+        request_id, what, type(error).__name__, error, exc_info=error)
 
 
 # The plugin's records ride on vLLM's own step objects (pickled with them when

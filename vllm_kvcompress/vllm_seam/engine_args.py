@@ -295,16 +295,15 @@ def check_model(vllm_config) -> None:
         raise _refuse("an MLA model (latent KV cache layout)")
     if model.is_hybrid or model.is_attention_free:
         raise _refuse("a hybrid state-space or attention-free model (Mamba-style layers)")
-    num_layers = full_attention_layers(model)
-    if num_layers is None:
-        num_layers = model.get_num_layers(vllm_config.parallel_config)
+    limits = engine_limits(vllm_config)
+    num_layers = limits.num_layers
     tp = vllm_config.parallel_config.tensor_parallel_size
     if model.get_total_num_kv_heads() % tp:
         raise _refuse(f"tensor_parallel_size {tp} over {model.get_total_num_kv_heads()} KV heads (ranks would "
                       f"hold copies of a head: use a size that divides the KV heads)")
     if vllm_config.use_v2_model_runner:
         raise _refuse("Model Runner V2 (the hooks target the V1 runner; unset VLLM_USE_V2_MODEL_RUNNER)")
-    config = KVCompressConfig.from_dict(vllm_config.additional_config[CONFIG_KEY], engine_limits(vllm_config))
+    config = KVCompressConfig.from_dict(vllm_config.additional_config[CONFIG_KEY], limits)
     try:
         layer_groups(num_layers, config.num_layer_groups)
     except ValueError as e:
@@ -348,15 +347,15 @@ def wrap_validate_params(original):
 
     def _validate_params(self, params, *args, **kwargs):
         result = original(self, params, *args, **kwargs)
-        limits = self.__dict__.get("_kv_compress_limits")
-        if limits is None:
-            limits = self._kv_compress_limits = engine_limits(self.vllm_config)
         if not isinstance(params, SamplingParams):
             return result
         try:
             overrides = request_overrides(params.extra_args)
             if overrides is None:
                 return result
+            limits = self.__dict__.get("_kv_compress_limits")
+            if limits is None:
+                limits = self._kv_compress_limits = engine_limits(self.vllm_config)
             engine = (self.vllm_config.additional_config or {}).get(CONFIG_KEY)
             if engine is None:
                 raise KVCompressConfigError(

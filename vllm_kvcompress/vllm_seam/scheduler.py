@@ -26,7 +26,7 @@ from ..accounting import CompressionStats
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..plan import resolve_plan
 from ..schedule import RequestSchedule
-from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, report_of
+from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, log_failure, report_of
 from .block_manager import CompressedAttentionManager
 from .groups import CompressedLayers
 from .metrics import RatioHistogram, SnapshotWriter
@@ -65,7 +65,7 @@ class KVCompressScheduler(Scheduler):
         # Requests whose compression raised (here, or in a worker: WorkerReport.failed)
         # are finished with an error at the step's output; those finished
         # before the step was scheduled wait there for their error output.
-        self._kvc_failed: dict[str, str] = {}
+        self._kvc_failed: set[str] = set()
         self._kvc_errors: list[tuple[str, int]] = []
         self._kvc_snapshot = SnapshotWriter("scheduler")
         self._kvc_ratios = RatioHistogram()  # finished compressed requests, for /metrics
@@ -115,7 +115,8 @@ class KVCompressScheduler(Scheduler):
                                     self.kvc_block_size, cached_len=cached)
             except Exception as e:  # noqa: BLE001 - one request's plan, never the engine
                 # It runs uncompressed until this step's output, then finishes with an error.
-                self._kvc_fail(rid, "planning", e)
+                log_failure(rid, "planning", e)
+                self._kvc_failed.add(rid)
                 plan = None
             if plan is not None and cached and plan.allocation.per_head:
                 # Head budgets cannot honour a protected start: this request runs uncompressed.
@@ -153,7 +154,7 @@ class KVCompressScheduler(Scheduler):
                 op = self._plan_compression(request)
             except Exception as e:  # noqa: BLE001 - one request's compaction, never the engine
                 # Its blocks may be half compacted: it leaves before this step is scheduled.
-                self._kvc_fail(request.request_id, "compaction planning", e)
+                log_failure(request.request_id, "compaction planning", e)
                 for finished in self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR):
                     self._kvc_errors.append((finished.request_id, finished.client_index))
                 continue
@@ -220,8 +221,7 @@ class KVCompressScheduler(Scheduler):
         # Budgets decided from a prompt's attention (adaptive, per_head): the
         # request compresses to them when the next step is planned.
         report = report_of(model_runner_output)
-        failed = set(report.failed) | set(self._kvc_failed)
-        self._kvc_failed.clear()
+        failed, self._kvc_failed = set(report.failed) | self._kvc_failed, set()
         for budgets in report.layer_budgets:
             state = self.kvc_states.get(budgets.request_id)
             if state is not None and budgets.request_id not in failed:
@@ -244,11 +244,6 @@ class KVCompressScheduler(Scheduler):
             outputs.setdefault(client, EngineCoreOutputs()).outputs.append(
                 EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR))
         return outputs
-
-    def _kvc_fail(self, rid: str, what: str, error: BaseException) -> None:
-        logger.error("kv_compress %s: %s failed (%s: %s); the request finishes with an error, the others go on",
-                     rid, what, type(error).__name__, error, exc_info=error)
-        self._kvc_failed[rid] = what
 
     def _get_local_prefix_cache_hit(self, request):
         hit = super()._get_local_prefix_cache_hit(request)

@@ -65,7 +65,7 @@ def wrap_sample_tokens(original):
             return output
         failed = kvc.take_failed()  # every rank: a collective under tensor parallelism
         if output is None:  # nothing goes back this step: the next one reports them
-            kvc.failed.update(dict.fromkeys(failed, "reported late"))
+            kvc.failed.update(failed)
             return output
         # Rides back to the scheduler's update_from_output (async scheduling is off).
         if kvc.reported or failed:

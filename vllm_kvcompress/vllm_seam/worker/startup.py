@@ -78,22 +78,6 @@ def check_scoring_exact(layer) -> None:
                                f"its scores would not be the model's attention")
 
 
-def gather_failed(failed: list[str]) -> list[str]:
-    """The union of every tensor-parallel rank's failed requests (a count
-    first, over the ranks' CPU group: the ids travel only when there are some)."""
-    import torch.distributed as dist
-    from vllm.distributed import get_tp_group
-
-    group = get_tp_group().cpu_group
-    count = torch.tensor([len(failed)])
-    dist.all_reduce(count, group=group)
-    if not int(count):
-        return failed
-    everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, failed, group=group)
-    return sorted({rid for ids in everyone for rid in ids or ()})
-
-
 def tensor_parallel_shard() -> HeadShard:
     """This worker's heads among vLLM's tensor-parallel ranks (a slice of every layer's)."""
     from vllm.distributed import (

@@ -27,13 +27,13 @@ from ...cache_layout import LAYOUTS, KVViews
 from ...config import CONFIG_KEY, KVCompressConfig
 from ...kernels import get_ops
 from ...sharding import HeadShard
-from ...step_records import ReportedBudgets, step_plan_of
+from ...step_records import ReportedBudgets, log_failure, step_plan_of
 from ...token_state import RequestTokens
 from ..groups import CompressedLayers, layer_index
 from ..metrics import SnapshotWriter
 from .attention_passes import StepPasses
 from .compaction import FAULT_ENV, compact_requests
-from .startup import CACHE_WRITERS, check_layout, check_scoring_exact, gather_failed, tensor_parallel_shard
+from .startup import CACHE_WRITERS, check_layout, check_scoring_exact, tensor_parallel_shard
 from .step_inputs import MetadataEdits
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
@@ -116,9 +116,9 @@ class WorkerCompression:
         self.reported: list[ReportedBudgets] = []
         self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
         self.snapshot = SnapshotWriter("worker")
-        # Requests whose compression raised in this step -> why: each fails
-        # alone (the scheduler finishes it with an error), the others go on.
-        self.failed: dict[str, str] = {}
+        # Requests whose compression raised in this step: each fails alone
+        # (the scheduler finishes it with an error), the others go on.
+        self.failed: set[str] = set()
         self.compressing = False  # this step runs requests with a plan (the same on every rank)
         # The attention passes and metadata edits of the running step (step_inputs).
         self.step: StepPasses | None = None
@@ -143,16 +143,15 @@ class WorkerCompression:
     def fail(self, request_id: str, what: str, error: BaseException) -> None:
         if request_id in self.failed:
             return
-        logger.error("kv_compress %s: %s failed (%s: %s); the request finishes with an error, the others go on",
-                     request_id, what, type(error).__name__, error, exc_info=error)
-        self.failed[request_id] = f"{what}: {type(error).__name__}: {error}"
+        log_failure(request_id, what, error)
+        self.failed.add(request_id)
         self.states.pop(request_id, None)
 
     def take_failed(self) -> list[str]:
         """This step's failed requests, over every tensor-parallel rank (a
         failure on one rank alone, say a device allocation, fails the request
         everywhere); called by every rank at the end of a step."""
-        failed, self.failed = sorted(self.failed), {}
+        failed, self.failed = sorted(self.failed), set()
         if self.shard.size > 1 and self.compressing:
             failed = gather_failed(failed)
         return failed
@@ -185,6 +184,21 @@ class WorkerCompression:
             self.snapshot.write(self.seconds)
         self.evicted = plan.evicted
 
+
+def gather_failed(failed: list[str]) -> list[str]:
+    """The union of every tensor-parallel rank's failed requests (a count
+    first, over the ranks' CPU group: the ids travel only when there are some)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group().cpu_group
+    count = torch.tensor([len(failed)])
+    dist.all_reduce(count, group=group)
+    if not int(count):
+        return failed
+    everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, failed, group=group)
+    return sorted({rid for ids in everyone for rid in ids or ()})
 
 
 
