@@ -342,7 +342,7 @@ def test_adakv_with_alpha_one_selects_what_snapkv_selects():
         state = compression(cfg, 120, num_layers=1, num_kv_heads=2, num_q_heads=4)
         state.append(torch.arange(120))
         state.accumulate(0, attention)
-        keep = state.attention_budgets()[0] if state.plan.allocation.per_head else 40
+        keep = state.attention_budgets()[0] if state.plan.budgets_after_prompt else 40
         picks[policy.get("alpha", policy["policy"])] = (state.select(0, keep), state._dead_after.get(0))
     assert torch.equal(picks["snapkv"][0], picks[1.0][0]) and picks[1.0][1] is None
     assert picks["adakv"][1] is not None  # default alpha: heads keep unequal counts

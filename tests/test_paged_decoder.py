@@ -93,7 +93,7 @@ def _triton_ops_on_cpu():
     from vllm_kvcompress.kernels import triton_ops
 
     ops = triton_ops()
-    module = sys.modules["vllm_kvcompress.kernels.triton_kernels"]
+    module = sys.modules["vllm_kvcompress.kernels.triton_compact"]
     return ops if type(module._compact_kernel).__name__ == "InterpretedFunction" else None
 
 

@@ -18,18 +18,46 @@ gets less.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
 from .compat import Problem, first_problem
 from .limits import bounded
 from .retrieval_profile import CALIBRATE, load_profile
+from .selection import Selection, rank_scores, select_keep, select_keep_per_head
+from .sharding import HeadShard
 
 if TYPE_CHECKING:
     from .config import KVCompressConfig
     from .registry import Components
+
+
+class ObservedPrompt(Protocol):
+    """A request whose prompt has been observed, as allocations that share the
+    budget by attention read it at prefill end (token_state.RequestTokens)."""
+
+    num_layers: int
+
+    def layer_attention(self, layer: int) -> torch.Tensor:
+        """[Hq over all ranks, T] the layer's accumulated attention, on the host."""
+        ...
+
+    def ranked_scores(self, layer: int) -> torch.Tensor:
+        """[Hkv over all ranks, T] the layer's scores as a top-k ranks them (protected tokens +inf)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Selected:
+    """The tokens one layer of one request keeps."""
+
+    keep_idx: torch.Tensor  # [Hkv, slots] physical indices, hole-filling order
+    # [Hkv, slots] True where a head keeps no token in that slot (attention
+    # masks it); None: every slot is live.
+    dead: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -39,43 +67,61 @@ class Allocation:
     per_layer: ClassVar[bool] = False
     # The layer budgets come from the prompt's observed attention, at prefill end.
     from_attention: ClassVar[bool] = False
-    # KV heads keep different numbers of tokens (`head_counts`); a layer holds
-    # its fullest head's count and attention masks the others' unused slots.
-    per_head: ClassVar[bool] = False
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         """Why this allocation cannot serve beside the other parts (None: it can)."""
-        return first_problem(
+        return first_problem(*self._problems(parts, config))
+
+    def _problems(self, parts: Components, config: KVCompressConfig) -> list[tuple[bool, str, str]]:
+        """(refused, field, reason) in the order they are reported."""
+        return [
             (self.per_layer and config.num_layer_groups == 1, "layer_groups",
              f"allocation {self.name!r} (policy {config.policy!r}) gives layers different budgets, which frees "
              f"memory only with per-layer KV cache groups: start the engine with --kv-compress-layer-groups set to "
              f"the number of layers (one group each) or a divisor of it (tiers)"),
             (self.from_attention and not parts.scorer.observe.attends(), "allocation",
              f"{self.name!r} shares the budget by observed attention; scorer {parts.scorer.name!r} observes none; "
-             f"valid with it: ['pyramid', 'uniform']"))
+             f"valid with it: ['pyramid', 'uniform']"),
+            (self.from_attention and parts.trigger.protected_len(1) >= 1, "allocation",
+             f"{self.name!r} shares the budget by the prompt's attention, which trigger {parts.trigger.name!r} never "
+             f"compresses; valid with it: ['pyramid', 'uniform']")]
 
     def problem(self, num_layers: int) -> str | None:
         """Why this allocation cannot serve a model with `num_layers` compressed layers (None: it can)."""
         return None
 
-    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int | None, min_budget: int) -> list[int]:
-        """Tokens each layer keeps, known before the prompt runs.
+    def layer_budgets(self, budget: int, num_layers: int, prompt_len: int | None,
+                      min_budget: int) -> list[int] | None:
+        """Tokens each layer keeps, known before the prompt runs (None: known
+        only once the prompt's attention is observed, `prompt_budgets`).
 
         `prompt_len`: the prompt tokens that may be compressed (None: no
         bound, when only generated tokens are).
         """
-        return [budget] * num_layers
+        return None if self.from_attention else [budget] * num_layers
 
-    def attention_budgets(self, attention: list[torch.Tensor], budget: int, min_budget: int) -> list[int]:
-        """Tokens each layer keeps, from each layer's observed [Hq, T] attention."""
-        raise NotImplementedError
+    def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> list[int]:
+        """Slots each layer holds, from the observed prompt (allocations whose
+        `layer_budgets` are None)."""
+        raise NotImplementedError(f"allocation {self.name!r} knows its budgets before the prompt runs")
 
-    def head_counts(self, ranked: torch.Tensor, budget: int) -> torch.Tensor:
-        """[Hkv, T] ranked scores (protected tokens +inf) -> [Hkv] tokens each head keeps."""
-        raise NotImplementedError
+    def cached_prefix_problem(self) -> str | None:
+        """Why a request whose prompt starts with prefix-cache hits (a
+        protected start) cannot be compressed with this allocation (None: it can)."""
+        return None
+
+    def select(self, scores: torch.Tensor, positions: torch.Tensor, *, slots: int, layer_budget: int, budget: int,
+               protected: Callable[[int], tuple[int, int]], selection: Selection, shard: HeadShard) -> Selected:
+        """The tokens a layer keeps in `slots` slots, from its [Hkv, T] scores.
+
+        `layer_budget`: this layer's slots after the protected start; `budget`:
+        the request's mean; `protected(b)`: the (sinks, recent) tokens kept
+        whatever their score at budget b.
+        """
+        return Selected(select_keep(scores, positions, slots, *protected(layer_budget), selection), None)
 
 
 class Uniform(Allocation):  # no parameters: the base's dataclass serves
@@ -132,7 +178,12 @@ class Adaptive(Allocation):
         if self.floor < 0:
             raise ValueError(f"floor must be >= 0, got {self.floor}")
 
+    def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> list[int]:
+        return self.attention_budgets([prompt.layer_attention(layer) for layer in range(prompt.num_layers)],
+                                      budget, min_budget)
+
     def attention_budgets(self, attention: list[torch.Tensor], budget: int, min_budget: int) -> list[int]:
+        """Tokens each layer keeps, from each layer's observed [Hq, T] attention."""
         # methods.md: MBA_l = mean over (query) heads of the tokens holding
         # `coverage` of the observed attention; budget_l = max(floor, total * MBA_l / sum MBA).
         needs = [float(tokens_for_mass(a, self.coverage).to(torch.float64).mean()) for a in attention]
@@ -143,8 +194,10 @@ class Adaptive(Allocation):
 
 @dataclass(frozen=True)
 class PerHead(Allocation):
+    """KV heads keep different numbers of tokens (`head_counts`); a layer holds
+    its fullest head's count and attention masks the others' unused slots."""
+
     name = "per_head"
-    per_head = True
     from_attention = True  # a layer holds its fullest head: known once the attention is seen
 
     alpha: float = field(default=0.2, metadata={"help": "per_head: each KV head keeps at least alpha * budget "
@@ -154,26 +207,34 @@ class PerHead(Allocation):
         if not 0 <= self.alpha <= 1:  # also rejects NaN
             raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
 
-    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
-        problem = super().incompatible_with(parts, config)
-        if problem is not None:
-            return problem
-        scorer, trigger, selection = parts.scorer, parts.trigger, parts.selection
-        return first_problem(
-            (scorer.same_for_every_head, "allocation",
-             f"'per_head' gives KV heads different budgets by their scores; scorer {scorer.name!r} scores every "
-             f"head of a layer alike (one selection per layer)"),
-            (scorer.needs_keys, "allocation",
-             f"'per_head' derives head budgets while the prompt is observed, and scorer {scorer.name!r} reads the "
-             f"cached keys only when it compresses; valid with it: ['pyramid', 'uniform', 'adaptive']"),
-            (trigger.repeats(), "trigger",
-             f"allocation 'per_head' compresses once (per-head masks are not re-derived while rolling); use "
-             f"trigger 'once', not {trigger.name!r}"),
-            (not selection.comparable_across_heads, "selection",
-             f"{selection.name!r} ranks tokens within each head, and allocation 'per_head' compares scores across "
-             f"heads; valid with it: ['span', 'top']"))
+    def _problems(self, parts: Components, config: KVCompressConfig) -> list[tuple[bool, str, str]]:
+        problems = super()._problems(parts, config)
+        trigger = parts.trigger
+        # Reported before the prompt check: every trigger but 'once' is refused.
+        problems.insert(-1, (trigger.repeats(), "trigger",
+                             f"allocation 'per_head' compresses once (per-head masks are not re-derived while "
+                             f"rolling); use trigger 'once', not {trigger.name!r}"))
+        return problems
+
+    def cached_prefix_problem(self) -> str | None:
+        return "allocation 'per_head' cannot keep a prefix-cache hit whole per head"
+
+    def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> list[int]:
+        # A layer holds as many slots as its fullest head keeps.
+        return [int(self.head_counts(prompt.ranked_scores(layer), budget).max()) for layer in range(prompt.num_layers)]
+
+    def select(self, scores: torch.Tensor, positions: torch.Tensor, *, slots: int, layer_budget: int, budget: int,
+               protected: Callable[[int], tuple[int, int]], selection: Selection, shard: HeadShard) -> Selected:
+        # Heads share the request's budget: protection at it, not at the fullest head's.
+        sinks, recent = protected(budget)
+        ranked = rank_scores(scores, positions, sinks, recent, selection)
+        # One top-k over the layer's heads: the other ranks' heads take part.
+        counts = shard.mine(self.head_counts(shard.all_heads(ranked), budget), ranked.shape[0])
+        keep_idx, dead = select_keep_per_head(ranked, counts, slots)
+        return Selected(keep_idx, dead if dead.any() else None)
 
     def head_counts(self, ranked: torch.Tensor, budget: int) -> torch.Tensor:
+        """[Hkv, T] ranked scores (protected tokens +inf) -> [Hkv] tokens each head keeps."""
         # methods.md: the global top (num_kv_heads * budget) over all heads'
         # scores, after each head's own top (alpha * budget).
         num_heads, num_tokens = ranked.shape

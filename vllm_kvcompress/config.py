@@ -287,7 +287,7 @@ class KVCompressConfig:
                 raise _fail("policy", "a budget or compression_ratio needs a policy other than 'none'")
             return
         # Each part states what it cannot serve beside the others.
-        for part in (parts.allocation, parts.trigger, parts.merge, parts.scorer):
+        for part in (parts.scorer, parts.trigger, parts.allocation, parts.merge, parts.selection):
             problem = part.incompatible_with(parts, self)
             if problem is not None:
                 raise _fail(problem.field, problem.reason)

@@ -67,6 +67,10 @@ class Merge:
         """Slots the upper layer of a pair of `num_tokens` tokens holds."""
         return num_tokens
 
+    def cached_prefix_problem(self) -> str | None:
+        """Why a request whose prompt starts with prefix-cache hits cannot be merged (None: it can)."""
+        return f"merge {self.name!r}: prefix-cached tokens cannot be rewritten" if self.merges else None
+
     def merge_pair(self, lower: KV, upper: KV) -> tuple[MergedTensor, MergedTensor]:
         """Merge a pair's keys and values ([Hkv, T, D] each, the same tokens in the same order)."""
         raise NotImplementedError(f"merge {self.name!r} merges nothing")
@@ -121,10 +125,6 @@ class MiniCache(Merge):
             (parts.allocation.name != "uniform", "allocation",
              f"merge {self.name!r} merges the two layers of a pair token by token, so they keep the same tokens; "
              f"valid with it: ['uniform'], not {parts.allocation.name!r}"),
-            (parts.scorer.needs_keys, "merge",
-             f"scorer {parts.scorer.name!r} reads each layer's keys to select, and merge {self.name!r} selects once "
-             f"per pair of layers; valid with it: scorers that read attention or positions (snapkv, h2o, tova, "
-             f"streamingllm, ...)"),
             (config.num_layer_groups == 1, "layer_groups",
              f"merge {self.name!r} gives the upper layer of each merged pair its own, smaller block table: start "
              f"the engine with --kv-compress-layer-groups set to the number of layers (one group each)"))

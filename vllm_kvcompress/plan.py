@@ -40,12 +40,12 @@ class CompressionPlan:
     # Merged pairs' upper layers hold `merge.retained(kept)` slots (their layer
     # budgets here); their attention reads the lower layer's slots.
     merge: Merge = NoMerge()
-
-    @property
-    def compresses_prompt(self) -> bool:
-        """Whether the prompt outgrows its budget or merges (a prompt within
-        budget that does not merge is never compressed)."""
-        return self.prompt_len > self.protected_len + self.budget or self.merge.merges
+    # The prompt outgrows its budget or merges: a prompt within budget that
+    # does not merge is never compressed.
+    compresses_prompt: bool = False
+    # The layer budgets come from the observed prompt (the worker reports
+    # them at prefill end); `layer_budgets` stand in until then.
+    budgets_after_prompt: bool = False
 
 
 def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, block_size: int,
@@ -62,19 +62,19 @@ def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, blo
     # A compression_ratio applies to the part of the prompt that may be compressed.
     compressible = None if parts.trigger.protected_len(prompt_len) else prompt_len - protected
     budget = config.resolve_budget(prompt_len - protected, min_budget)
-    if parts.allocation.from_attention:
-        layer_budgets = [budget] * num_layers
-    else:
-        layer_budgets = list(parts.allocation.layer_budgets(budget, num_layers, compressible, min_budget))
-    if parts.merge.merges:
-        # A merged pair keeps one token set (the lower layer's budget); its
-        # upper layer holds only the retained tokens.
-        kept = min(budget, prompt_len - protected)
-        for _, upper in parts.merge.pairs(num_layers):
-            layer_budgets[upper] = parts.merge.retained(kept)
+    known = parts.allocation.layer_budgets(budget, num_layers, compressible, min_budget)
+    layer_budgets = [budget] * num_layers if known is None else list(known)
+    pairs = parts.merge.pairs(num_layers)
+    # A merged pair keeps one token set (the lower layer's budget); its
+    # upper layer holds only the retained tokens.
+    kept = min(budget, prompt_len - protected)
+    for _, upper in pairs:
+        layer_budgets[upper] = parts.merge.retained(kept)
+    compresses_prompt = prompt_len > protected + budget or bool(pairs)
     return CompressionPlan(
         scorer=parts.scorer, allocation=parts.allocation, trigger=parts.trigger, selection=parts.selection,
         prompt_len=prompt_len,
         budget=budget, layer_budgets=tuple(layer_budgets), interval=config.interval or block_size,
-        protected_len=protected, merge=parts.merge,
+        protected_len=protected, merge=parts.merge, compresses_prompt=compresses_prompt,
+        budgets_after_prompt=known is None,
     )

@@ -61,7 +61,7 @@ class RequestSchedule:
             if len(plan.layer_budgets) != len(group_of_layer):
                 raise ValueError(f"kv_compress: a plan for {len(plan.layer_budgets)} layers on "
                                  f"{len(group_of_layer)} layers")
-            state.budgets_pending = plan.allocation.from_attention and plan.compresses_prompt
+            state.budgets_pending = plan.budgets_after_prompt and plan.compresses_prompt
             # While pending, the plan's stand-ins are never read: such
             # allocations need attention, so their prompts are not streamed.
             state.budgets = state._group_budgets(plan.layer_budgets)

@@ -17,12 +17,17 @@ both select through these functions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
+from .compat import Problem, first_problem
 from .limits import bounded
+
+if TYPE_CHECKING:
+    from .config import KVCompressConfig
+    from .registry import Components
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,13 @@ class Selection:
 
     def validate(self) -> None:
         """Raise ValueError naming the field for impossible parameter values."""
+
+    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
+        """Why this selection cannot serve beside the other parts (None: it can)."""
+        return first_problem(
+            (not self.comparable_across_heads and parts.allocation.name == "per_head", "selection",
+             f"{self.name!r} ranks tokens within each head, and allocation 'per_head' compares scores across "
+             f"heads; valid with it: ['span', 'top']"))
 
     def adjust(self, scores: torch.Tensor, positions: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         """[Hkv, T] float32 scores -> the scores the top-k ranks (protected tokens are kept anyway)."""

@@ -10,15 +10,20 @@ cache, the reference's dense tensors) is the caller's business.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .budgets import Selected
 from .merge import MergedTensor
 from .plan import CompressionPlan
 from .scorers import Observation
-from .selection import rank_scores, select_keep, select_keep_per_head
+from .selection import rank_scores
 from .sharding import ONE_DEVICE, HeadShard
+
+# A layer's cached keys [Hkv, T, D], or what loads them (once, if the scorer reads them).
+KeySource = torch.Tensor | Callable[[], torch.Tensor] | None
 
 
 @dataclass
@@ -74,7 +79,10 @@ class RequestTokens:
         self._tail_start = 0
         self._tail_len = 0
         self.attention: list[torch.Tensor | None] = [None] * num_layers
-        self._shared_selection: tuple = (None, None)  # (compaction, keep) -> indices
+        # The last layer's selection, keyed (scores_key, compaction, slots):
+        # layers with equal scores select once per compaction.
+        self._last_key: tuple[int, int, int] | None = None
+        self._last_selected: Selected | None = None
         # Per-head budgets: [Hkv, n] slots of the kept part that hold no token
         # of that head (attention masks them); None: every slot is live.
         self.dead: list[torch.Tensor | None] = [None] * num_layers
@@ -187,23 +195,26 @@ class RequestTokens:
 
     def reports_budgets(self, q_positions: torch.Tensor) -> bool:
         """Whether these observed queries end a prompt whose layer budgets come from its attention."""
-        return (self.plan.allocation.from_attention and self.needs_attention
+        return (self.plan.budgets_after_prompt and self.needs_attention
                 and int(q_positions.max()) == self.plan.prompt_len - 1)
 
     def attention_budgets(self) -> tuple[int, ...]:
-        """Per-layer budgets from the observed prompt attention (allocations
-        `from_attention`, once the prompt has been observed).
+        """Per-layer slots from the observed prompt (plans whose budgets come
+        `budgets_after_prompt`), the same on every rank."""
+        return tuple(self.plan.allocation.prompt_budgets(self, self.plan.budget, self.scorer.min_budget()))
 
-        With per-head budgets a layer holds as many slots as its fullest head keeps.
-        """
-        if self.plan.allocation.per_head:
-            return tuple(int(self._ranked_counts(layer)[2]) for layer in range(self.num_layers))
-        # Every rank's query heads: all ranks derive the same budgets.
-        observed = [self._observed(layer) for layer in range(self.num_layers)]
-        attention = [self.shard.all_heads(a if a is not None else torch.zeros(self.num_q_heads, 0,
-                                                                               device=self.device)).cpu()
-                     for a in observed]
-        return tuple(self.plan.allocation.attention_budgets(attention, self.plan.budget, self.scorer.min_budget()))
+    def layer_attention(self, layer: int) -> torch.Tensor:
+        """[Hq over all ranks, T] the layer's accumulated attention, on the host."""
+        observed = self._observed(layer)
+        if observed is None:
+            observed = torch.zeros(self.num_q_heads, 0, device=self.device)
+        return self.shard.all_heads(observed).cpu()
+
+    def ranked_scores(self, layer: int) -> torch.Tensor:
+        """[Hkv over all ranks, T] the layer's scores as a top-k at the request's budget ranks them."""
+        scores, positions = self._scores(layer)
+        return self.shard.all_heads(rank_scores(scores, positions, *self._protected(self.plan.budget),
+                                                self.plan.selection))
 
     def dead_slots(self, layer: int, num_slots: int) -> torch.Tensor | None:
         """[Hkv, num_slots] True where a head must not attend (None: nowhere)."""
@@ -214,27 +225,25 @@ class RequestTokens:
 
     # ------------------------------------------------------------ compacting
 
-    def select(self, layer: int, keep: int, keys: torch.Tensor | None = None) -> torch.Tensor:
+    def select(self, layer: int, keep: int, keys: KeySource = None) -> torch.Tensor:
         """[Hkv, keep] physical indices this layer keeps per head (hole-filling order).
 
-        `keys` [Hkv, T, D]: the layer's cached keys, for scorers that
-        `needs_keys`. A scorer that is the same in every layer returns the
-        same tensor for every layer of one compaction (callers reuse what they
-        derive from it).
+        `keys`: the layer's cached keys [Hkv, T, D] (or what loads them, once,
+        when the scorer reads them). Layers whose scores are equal (the
+        scorer's `scores_key`) get the same tensor within one compaction
+        (callers reuse what they derive from it).
         """
         if layer in self.lower_of:  # the upper layer of a merged pair: the pair's selection
             return self._pair_keep.pop(layer)
-        if self.scorer.same_in_every_layer and not self.plan.allocation.per_head:
-            key = (self.num_compressions, keep)
-            if self._shared_selection[0] != key:
-                self._shared_selection = (key, self._select(layer, keep, keys))
-            keep_idx = self._shared_selection[1]
-        else:
-            keep_idx = self._select(layer, keep, keys)
+        key = (self.scorer.scores_key(layer), self.num_compressions, keep)
+        if self._last_selected is None or self._last_key != key:
+            self._last_key, self._last_selected = key, self._select(layer, keep, keys)
+        selected = self._last_selected
+        self._dead_after[layer] = selected.dead
         upper = self._upper_of(layer)
         if upper is not None:
-            self._pair_keep[upper] = keep_idx
-        return keep_idx
+            self._pair_keep[upper] = selected.keep_idx
+        return selected.keep_idx
 
     def _upper_of(self, layer: int) -> int | None:
         """The upper layer of the merged pair whose lower layer this is."""
@@ -246,34 +255,17 @@ class RequestTokens:
         sinks, recent = self.scorer.protected(budget)
         return max(sinks, self.plan.protected_len), recent
 
-    def _select(self, layer: int, keep: int, keys: torch.Tensor | None) -> torch.Tensor:
-        if self.plan.allocation.per_head:
-            ranked, counts, _ = self._ranked_counts(layer, keys)
-            keep_idx, dead = select_keep_per_head(ranked, counts, keep)
-            self._dead_after[layer] = dead if dead.any() else None
-            return keep_idx
+    def _select(self, layer: int, keep: int, keys: KeySource) -> Selected:
         scores, positions = self._scores(layer, keys)
         upper = self._upper_of(layer)
         if upper is not None:  # one selection for the pair, from both layers' scores
             scores = scores + self._scores(upper)[0]
-        sinks, recent = self._protected(keep - self.plan.protected_len)
-        return select_keep(scores, positions, keep, sinks, recent, self.plan.selection)
+        return self.plan.allocation.select(
+            scores, positions, slots=keep, layer_budget=keep - self.plan.protected_len, budget=self.plan.budget,
+            protected=self._protected, selection=self.plan.selection, shard=self.shard)
 
-    def _ranked_counts(self, layer: int, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Per-head budgets: this worker's ranked scores [Hkv, T], the tokens
-        each of its heads keeps, and the layer's fullest head over all ranks."""
-        scores, positions = self._scores(layer, keys)
-        budget = self.plan.budget
-        sinks, recent = self._protected(budget)
-        ranked = rank_scores(scores, positions, sinks, recent, self.plan.selection)
-        # One top-k over the layer's heads: the other ranks' heads take part.
-        counts = self.plan.allocation.head_counts(self.shard.all_heads(ranked), budget)
-        return ranked, self.shard.mine(counts, self.num_kv_heads), int(counts.max())
-
-    def _scores(self, layer: int, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scores(self, layer: int, keys: KeySource = None) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self.positions(layer)
-        if self.scorer.needs_keys and keys is None:
-            raise RuntimeError(f"kv_compress: scorer {self.scorer.name} needs the cached keys of layer {layer}")
         acc = self._observed(layer)
         obs = Observation(
             # A decision: the scores come to the host (a copy the scorer may modify).
@@ -283,7 +275,9 @@ class RequestTokens:
             layer=layer,
             num_compressions=self.num_compressions,
             shard=self.shard,
-            keys=None if keys is None else keys.to("cpu", torch.float32),
+            keys=keys.to("cpu", torch.float32) if isinstance(keys, torch.Tensor) else None,
+            key_loader=None if keys is None or isinstance(keys, torch.Tensor)
+            else lambda: keys().to("cpu", torch.float32),
             protected_len=self.plan.protected_len,
         )
         return self.scorer.score(obs), positions

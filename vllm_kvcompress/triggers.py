@@ -128,9 +128,6 @@ class DecodeOnly(Rolling):
              f"'decode' compresses generated tokens only, and scorer {parts.scorer.name!r} observes only the "
              f"prompt's last queries; valid with it: scorers that observe decode queries or none (h2o, tova, "
              f"keyformer, rkv, streamingllm, random)"),
-            (parts.allocation.from_attention, "allocation",
-             f"{parts.allocation.name!r} shares the budget by the prompt's attention, which trigger 'decode' never "
-             f"compresses; valid with it: ['pyramid', 'uniform']"),
             (config.compression_ratio is not None, "compression_ratio",
              "trigger 'decode' keeps the prompt whole; give budget, the generated tokens kept"))
 

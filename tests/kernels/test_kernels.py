@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from vllm_kvcompress.kernels import OP_NAMES, get_ops
+from vllm_kvcompress.kernels import OP_NAMES, get_ops, torch_paged
 from vllm_kvcompress.kernels import torch_ops as ref
 from vllm_kvcompress.selection import hole_filling_order
 
@@ -247,7 +247,7 @@ def naive_decode_attention(q, k, v, bt, lens, scale):
 ])
 def test_reference_decode_attention_vs_naive(g, bs, dtype, with_scores, chunked, monkeypatch):
     if chunked:  # one request per chunk: the loop over chunks is exercised
-        monkeypatch.setattr(ref, "_CHUNK_ELEMS", 1)
+        monkeypatch.setattr(torch_paged, "_CHUNK_ELEMS", 1)  # read by every torch op
     gen = torch.Generator().manual_seed(20 + g)
     lens = [1, 13, 0, 2 * bs + 3]  # length 1, an empty request, not multiples of the block size
     hkv, d, scale = 2, 16, 0.3

@@ -11,6 +11,7 @@ combinations).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -145,12 +146,22 @@ class Observation:
     num_compressions: int
     # This worker's heads among the layer's (tensor parallelism).
     shard: HeadShard = ONE_DEVICE
-    # [num_kv_heads, T, head_dim] the cached keys (post-RoPE, float32), for
-    # scorers that `needs_keys`; None otherwise.
+    # [num_kv_heads, T, head_dim] the cached keys (post-RoPE, float32), or
+    # what loads them: read through `cached_keys`, so only scorers that read
+    # keys make the worker gather them.
     keys: torch.Tensor | None = None
+    key_loader: Callable[[], torch.Tensor] | None = None
     # Tokens at logical positions below this are the protected start (prefix
     # cache hits, or the prompt under trigger 'decode'): kept whatever their score.
     protected_len: int = 0
+
+    def cached_keys(self) -> torch.Tensor:
+        """[num_kv_heads, T, head_dim] the layer's cached keys (float32, on the host)."""
+        if self.keys is None:
+            if self.key_loader is None:
+                raise RuntimeError(f"kv_compress: no cached keys were given for layer {self.layer}")
+            self.keys = self.key_loader()
+        return self.keys
 
     @property
     def first_kv_head(self) -> int:
@@ -172,14 +183,13 @@ class Scorer:
 
     name: ClassVar[str]
     observe: ClassVar[Observes] = Observe.NOTHING
-    # Scores depend on positions alone, the same in every layer: one
-    # selection serves all layers of a compaction.
-    same_in_every_layer: ClassVar[bool] = False
-    # Observed logits get noise before the softmax (`logits_noise`).
+    # Observed logits get noise before the softmax (`logits_noise`): the
+    # worker observes them apart from the fused decode kernel's plain softmax.
     noisy: ClassVar[bool] = False
     # One score per token for every KV head of a layer (they keep the same tokens).
     same_for_every_head: ClassVar[bool] = False
-    # score() reads the cached keys (`Observation.keys`).
+    # score() reads the cached keys (`Observation.cached_keys`): it selects
+    # from each layer's own keys when that layer compresses.
     needs_keys: ClassVar[bool] = False
 
     def validate(self) -> None:
@@ -188,7 +198,18 @@ class Scorer:
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         """Why this scorer cannot serve with these parts and budget (None: it can)."""
         least = self.min_budget()
+        per_head, merge = parts.allocation.name == "per_head", parts.merge.name != "none"
         return first_problem(
+            (per_head and self.same_for_every_head, "allocation",
+             f"'per_head' gives KV heads different budgets by their scores; scorer {self.name!r} scores every "
+             f"head of a layer alike (one selection per layer)"),
+            (per_head and self.needs_keys, "allocation",
+             f"'per_head' derives head budgets while the prompt is observed, and scorer {self.name!r} reads the "
+             f"cached keys only when it compresses; valid with it: ['pyramid', 'uniform', 'adaptive']"),
+            (merge and self.needs_keys, "merge",
+             f"scorer {self.name!r} reads each layer's keys to select, and merge {parts.merge.name!r} selects once "
+             f"per pair of layers; valid with it: scorers that read attention or positions (snapkv, h2o, tova, "
+             f"streamingllm, ...)"),
             ((config.budget is None) == (config.compression_ratio is None), "budget",
              f"policy {config.policy!r} needs exactly one of budget (tokens kept) or compression_ratio (fraction "
              f"removed, in [0, 1))"),
@@ -207,6 +228,11 @@ class Scorer:
     def window_queries(self) -> int:
         """How many trailing prompt queries Observe.WINDOW accumulates."""
         return 0
+
+    def scores_key(self, layer: int) -> int:
+        """Layers with one key score alike in one compaction (one selection
+        serves them all): a scorer of positions alone returns one key."""
+        return layer
 
     def logits_noise(self, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor,
                      num_compressions: int, first_head: int = 0) -> LogitsNoise | None:

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class KeepAll(Scorer):
     name = "keep_all"
-    same_in_every_layer = True
     same_for_every_head = True
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
@@ -27,6 +26,9 @@ class KeepAll(Scorer):
             return Problem(name, f"policy {config.policy!r} evicts nothing (it only merges); to evict, then "
                                  f"merge, choose an evicting policy with merge {parts.merge.name!r} (e.g. snapkv)")
         return None
+
+    def scores_key(self, layer: int) -> int:
+        return 0  # positions alone: the same scores in every layer
 
     def score(self, obs: Observation) -> torch.Tensor:
         return torch.zeros(obs.positions.shape, dtype=torch.float32)

@@ -22,13 +22,12 @@ class Knorm(Scorer):
     needs_keys = True
 
     def score(self, obs: Observation) -> torch.Tensor:
-        assert obs.keys is not None
         # A token repeated in the prompt has the same key norm at every
         # position (RoPE is a rotation): equal in exact arithmetic, apart in
         # the last bits, differently in every implementation of the model.
         # Rounded, such ties are ties everywhere, and the selection breaks them
         # the same way in the engine and in the reference.
-        return -torch.round(obs.keys.to(torch.float32).norm(dim=-1), decimals=NORM_DECIMALS)
+        return -torch.round(obs.cached_keys().norm(dim=-1), decimals=NORM_DECIMALS)
 
 
 NORM_DECIMALS = 4

@@ -58,7 +58,6 @@ class RKV(KeepsObservationWindow):
             raise ValueError(f"threshold must be in [-1, 1], got {self.threshold}")
 
     def score(self, obs: Observation) -> torch.Tensor:
-        assert obs.keys is not None
         if obs.attention is None:  # no query observed yet (a prompt within the window): redundancy alone
             importance = torch.zeros(obs.positions.shape, dtype=torch.float32)
         else:
@@ -66,10 +65,11 @@ class RKV(KeepsObservationWindow):
         # As the reference pools the tokens before its window.
         importance = pool_before_window(importance, obs.positions, self.window, self.kernel_size, "max")
         redundancy = torch.zeros_like(importance)
+        keys = obs.cached_keys()
         for h in range(obs.num_kv_heads):
             candidates = (obs.positions[h] >= obs.protected_len).nonzero().flatten()
             if len(candidates):
-                redundancy[h, candidates] = self.redundancy(obs.keys[h, candidates], obs.positions[h, candidates])
+                redundancy[h, candidates] = self.redundancy(keys[h, candidates], obs.positions[h, candidates])
         return self.mix_lambda * importance - (1.0 - self.mix_lambda) * redundancy
 
     def redundancy(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

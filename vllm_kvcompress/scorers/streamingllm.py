@@ -13,7 +13,6 @@ from .base import Observation, Scorer, check_at_least
 @dataclass(frozen=True)
 class StreamingLLM(Scorer):
     name = "streamingllm"
-    same_in_every_layer = True
 
     sink_tokens: int = field(default=4, metadata=bounded(0, "tokens",
                                                          help="first tokens always kept (attention sinks)"))
@@ -26,6 +25,9 @@ class StreamingLLM(Scorer):
 
     def min_budget(self) -> int:
         return self.sink_tokens + 1
+
+    def scores_key(self, layer: int) -> int:
+        return 0  # positions alone: the same scores in every layer
 
     def score(self, obs: Observation) -> torch.Tensor:
         # Everything kept is protected; newer is better for anything else.

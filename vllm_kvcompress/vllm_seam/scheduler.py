@@ -118,15 +118,12 @@ class KVCompressScheduler(Scheduler):
                 log_failure(rid, "planning", e)
                 self._kvc_failed.add(rid)
                 plan = None
-            if plan is not None and cached and plan.allocation.per_head:
-                # Head budgets cannot honour a protected start: this request runs uncompressed.
-                logger.warning("kv_compress %s: runs uncompressed: allocation 'per_head' cannot keep its %d "
-                               "prefix-cached tokens whole", rid, cached)
-                plan = None
-            if plan is not None and plan.merge.merges:
-                problem = "prefix-cached tokens cannot be rewritten" if cached else self._merge_problem(plan.merge)
+            if plan is not None:
+                problem = (plan.allocation.cached_prefix_problem() or plan.merge.cached_prefix_problem()
+                           if cached else None) or self._merge_problem(plan.merge)
                 if problem is not None:
-                    logger.warning("kv_compress %s: runs uncompressed: merge %r: %s", rid, plan.merge.name, problem)
+                    logger.warning("kv_compress %s: runs uncompressed (%d prefix-cached tokens): %s", rid, cached,
+                                   problem)
                     plan = None
             self._kvc_pending_cached[rid] = cached
             state = RequestSchedule.create(plan, self.kvc_group_of_layer)
@@ -144,8 +141,9 @@ class KVCompressScheduler(Scheduler):
         configured to merge is refused at startup for the same reasons
         (engine_args.check_model); a request asking for it runs uncompressed."""
         layers = self.kvc_layers
-        return merge.problem(len(layers.layers), len(layers.vllm_groups),
-                             hybrid=layers.num_vllm_groups != len(layers.vllm_groups))
+        problem = merge.problem(len(layers.layers), len(layers.vllm_groups),
+                                hybrid=layers.num_vllm_groups != len(layers.vllm_groups))
+        return None if problem is None else f"merge {merge.name!r}: {problem}"
 
     def _plan_compressions(self) -> list[Compaction]:
         ops = []

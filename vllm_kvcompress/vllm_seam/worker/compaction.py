@@ -95,8 +95,9 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
                 continue
             with worker.isolated(c.request_id, "selection"):
                 # Scorers that read the cached keys (R-KV's redundancy) get them dense.
-                dense = worker.ops.gather_dense(keys, tables[g][i], c.old_lengths[g]) \
-                    if state.scorer.needs_keys else None
+                def dense(cache=keys, table=tables[g][i], length=c.old_lengths[g]) -> torch.Tensor:
+                    return worker.ops.gather_dense(cache, table, length)
+
                 keeps[i] = state.select(layer, c.new_lengths[g], dense)
             live[i] = keeps[i] is not None
         selected = {i: k for i, k in enumerate(keeps) if k is not None and live[i] and layer not in merging[i]}
