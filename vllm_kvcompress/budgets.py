@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from .compat import Problem, first_problem
+from .compat import Component, Problem, first_problem
 from .limits import bounded
 from .retrieval_profile import CALIBRATE, load_profile
 from .selection import Selection, rank_scores, select_keep, select_keep_per_head
@@ -61,15 +61,13 @@ class Selected:
 
 
 @dataclass(frozen=True)
-class Allocation:
-    name: ClassVar[str]
+class Allocation(Component):
+    """How many tokens each layer (and KV head) keeps of the request's budget."""
+
     # Layers keep different budgets: frees memory only with per-layer KV cache groups.
     per_layer: ClassVar[bool] = False
     # The layer budgets come from the prompt's observed attention, at prefill end.
     from_attention: ClassVar[bool] = False
-
-    def validate(self) -> None:
-        """Raise ValueError naming the field for impossible parameter values."""
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         """Why this allocation cannot serve beside the other parts (None: it can)."""
@@ -125,11 +123,15 @@ class Allocation:
 
 
 class Uniform(Allocation):  # no parameters: the base's dataclass serves
+    """Every layer and head keeps the budget."""
+
     name = "uniform"
 
 
 @dataclass(frozen=True)
 class Pyramid(Allocation):
+    """Layers keep linearly less towards the top (PyramidKV), at the same mean."""
+
     name = "pyramid"
     per_layer = True
 

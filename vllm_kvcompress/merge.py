@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .compat import Problem, first_problem
+from .compat import Component, Problem, first_problem
 from .limits import bounded
 
 if TYPE_CHECKING:
@@ -48,16 +48,10 @@ PARALLEL = 1e-7
 
 
 @dataclass(frozen=True)
-class Merge:
-    name: ClassVar[str]
+class Merge(Component):
+    """How adjacent layers share their keys and values (NoMerge: they do not)."""
+
     merges: ClassVar[bool] = False
-
-    def validate(self) -> None:
-        """Raise ValueError naming the field for impossible parameter values."""
-
-    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
-        """Why this merge cannot serve beside the other parts (None: it can)."""
-        return None
 
     def pairs(self, num_layers: int) -> tuple[tuple[int, int], ...]:
         """(lower, upper) layer pairs that merge (layers counted among the compressed ones)."""
@@ -99,6 +93,9 @@ class NoMerge(Merge):  # no parameters: the base's dataclass serves
 
 @dataclass(frozen=True)
 class MiniCache(Merge):
+    """Adjacent layers from `start_layer` up share one SLERP-merged copy of a
+    pair's keys and values; a few tokens per head stay exact (methods.md)."""
+
     name = "minicache"
     merges = True
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
-from .compat import Problem, first_problem
+from .compat import Component, Problem, first_problem
 from .limits import bounded
 
 if TYPE_CHECKING:
@@ -31,14 +31,12 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Selection:
-    name: ClassVar[str]
+class Selection(Component):
+    """Which tokens a top-k over the scores picks (contiguous spans, chunks, or the top scores)."""
+
     # Adjusted scores keep the scorer's scale, so heads can be compared
     # (per-head budgets share one top-k across heads).
     comparable_across_heads: ClassVar[bool] = True
-
-    def validate(self) -> None:
-        """Raise ValueError naming the field for impossible parameter values."""
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         """Why this selection cannot serve beside the other parts (None: it can)."""

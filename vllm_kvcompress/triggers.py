@@ -19,9 +19,9 @@ and where a step's tokens must stop; it never branches on the trigger's kind.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
-from .compat import Problem, first_problem
+from .compat import Component, Problem, first_problem
 from .limits import bounded
 
 if TYPE_CHECKING:
@@ -30,19 +30,10 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Trigger:
+class Trigger(Component):
     """When a request compresses. `over`: how far the fullest KV cache group
     is past its budget; `room`: how many tokens the first group to fill can
     still take before it is an interval past its budget."""
-
-    name: ClassVar[str]
-
-    def validate(self) -> None:
-        """Raise ValueError naming the field for impossible parameter values."""
-
-    def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
-        """Why this trigger cannot serve beside the other parts (None: it can)."""
-        return None
 
     def protected_len(self, prompt_len: int) -> int:
         """Leading tokens it never evicts (the budget counts the tokens after them)."""

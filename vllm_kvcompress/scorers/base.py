@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..compat import Problem, first_problem
+from ..compat import Component, Problem, first_problem
 from ..limits import bounded
 from ..sharding import ONE_DEVICE, HeadShard
 
@@ -178,10 +178,9 @@ class LogitsNoise:
 
 
 @dataclass(frozen=True)
-class Scorer:
-    """Base class of every scorer. Subclasses are frozen dataclasses."""
+class Scorer(Component):
+    """What a token is worth: `score()` over one layer's observation; the lowest are evicted."""
 
-    name: ClassVar[str]
     observe: ClassVar[Observes] = Observe.NOTHING
     # Observed logits get noise before the softmax (`logits_noise`): the
     # worker observes them apart from the fused decode kernel's plain softmax.
@@ -191,9 +190,6 @@ class Scorer:
     # score() reads the cached keys (`Observation.cached_keys`): it selects
     # from each layer's own keys when that layer compresses.
     needs_keys: ClassVar[bool] = False
-
-    def validate(self) -> None:
-        """Raise ValueError naming the field for impossible parameter values."""
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         """Why this scorer cannot serve with these parts and budget (None: it can)."""
