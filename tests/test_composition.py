@@ -23,6 +23,7 @@ from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.plan import resolve_plan
 from vllm_kvcompress.schedule import RequestSchedule, layer_groups
 from vllm_kvcompress.scorers import SCORERS, hash_uniform
+from vllm_kvcompress.scorers.knorm import NORM_DECIMALS
 from vllm_kvcompress.selection import SELECTIONS
 from vllm_kvcompress.token_state import RequestTokens
 from vllm_kvcompress.triggers import TRIGGERS
@@ -145,8 +146,9 @@ def naive_scores(scorer: str, kv_head: int, layer: int, positions: list[int], at
     if scorer == "random":  # the hash itself is the definition (tested in test_core)
         return hash_uniform(params["seed"], torch.tensor(layer), torch.tensor(num_compressions),
                             torch.tensor(kv_head), torch.tensor(positions)).tolist()
-    if scorer == "knorm":  # the key's L2 norm, negated: the smallest norms are kept
-        return [-math.sqrt(sum(x * x for x in key_vector(layer, kv_head, p))) for p in positions]
+    if scorer == "knorm":  # the key's L2 norm, negated, rounded (ties are ties): the smallest norms are kept
+        return [-round(math.sqrt(sum(x * x for x in key_vector(layer, kv_head, p))), NORM_DECIMALS)
+                for p in positions]
     # TOVA: all query heads of the layer (one selection); the others: the KV head's group.
     heads = range(HQ) if scorer == "tova" else range(kv_head * GROUP, (kv_head + 1) * GROUP)
     scores = group_mean([[attention.get((q, p), 0.0) for p in positions] for q in heads])

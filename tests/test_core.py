@@ -302,9 +302,9 @@ def test_adaptive_budgets_follow_attention_mass_and_wait_for_the_worker():
     # total 4 * 64 = 256 shared in proportion 90 : 9 : 49.5 : 9, floor = window 8.
     needs = [90, 9, 49.5, 9]
     want = [max(8, int(256 * n / sum(needs))) for n in needs]
-    assert allocation.attention_budgets([flat, peaked, mixed, peaked], 64, 8) == want == [146, 14, 80, 14]
+    assert allocation.attention_budgets([flat, peaked, mixed, peaked], 64, 8).tolist() == want == [146, 14, 80, 14]
     assert cfg.merged({"policy": "adaptive", "budget": 64, "window": 8, "floor": 20}).components().allocation \
-        .attention_budgets([flat, peaked, mixed, peaked], 64, 8) == [146, 20, 80, 20]
+        .attention_budgets([flat, peaked, mixed, peaked], 64, 8).tolist() == [146, 20, 80, 20]
     state = RequestSchedule.create(plan(cfg, 100, 4), layer_groups(4, 4))
     assert state.budgets_pending
     with pytest.raises(RuntimeError, match="not reported"):
@@ -344,8 +344,8 @@ def test_adakv_with_alpha_one_selects_what_snapkv_selects():
         state.accumulate(0, attention)
         keep = state.attention_budgets()[0] if state.plan.budgets_after_prompt else 40
         picks[policy.get("alpha", policy["policy"])] = (state.select(0, keep), state._dead_after.get(0))
-    assert torch.equal(picks["snapkv"][0], picks[1.0][0]) and picks[1.0][1] is None
-    assert picks["adakv"][1] is not None  # default alpha: heads keep unequal counts
+    assert torch.equal(picks["snapkv"][0], picks[1.0][0]) and not picks[1.0][1].any()  # every slot live
+    assert picks["adakv"][1].any()  # default alpha: heads keep unequal counts
 
 
 def test_per_head_selection_pads_with_slots_that_stay_in_place():

@@ -117,6 +117,51 @@ def test_merged_pair_holds_its_blocks_mid_request_and_gives_them_back_on_abort(p
     assert per_layer.stats()["free_blocks"] == free
 
 
+# Every kind of compaction in one batch: rolling, once, per-layer budgets,
+# per-head budgets (reported from the prompt), span selection, MiniCache.
+MIXED = [
+    {"policy": "h2o", "budget": 64, "interval": 16},
+    {"policy": "snapkv", "budget": 64, "window": 16},
+    {"policy": "adakv", "budget": 64, "window": 16},
+    {"policy": "pyramidkv", "budget": 64, "window": 16},
+    {"policy": "snapkv-span", "budget": 96},
+    {"policy": "snapkv", "merge": "minicache", "budget": 64, "window": 16},
+    {"policy": "tova", "budget": 48, "interval": 8},
+    {"policy": "rkv", "budget": 48, "interval": 8},
+]
+
+
+def reads_per_step(engine, requests: int, seed: int) -> tuple[list[int], int]:
+    """Host reads (host_reads.COUNTS) in each step of a batch of `requests`
+    requests cycling through MIXED, and the compressions they made."""
+    from vllm import SamplingParams
+
+    from vllm_kvcompress import host_reads
+
+    core = engine.llm.llm_engine
+    before = engine.stats()["compressions"]
+    for i, prompt in enumerate(random_prompts([150 + 10 * i for i in range(requests)], seed=seed)):
+        params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                extra_args={"kv_compress": MIXED[i % len(MIXED)]})
+        core.add_request(f"reads-{seed}-{i}", {"prompt_token_ids": prompt}, params)
+    per_step = []
+    while core.has_unfinished_requests():
+        start = sum(host_reads.COUNTS.values())
+        core.step()
+        per_step.append(sum(host_reads.COUNTS.values()) - start)
+    return per_step, engine.stats()["compressions"] - before
+
+
+def test_host_reads_per_step_do_not_grow_with_requests_or_layers(per_layer):
+    """On CUDA each host read of device data stalls the batch: compaction and
+    scoring make none per request or layer, only one per step for the layer
+    budgets that prompts report (per-head budgets here)."""
+    few, few_compressions = reads_per_step(per_layer, len(MIXED), seed=81)
+    many, many_compressions = reads_per_step(per_layer, 3 * len(MIXED), seed=82)
+    assert few_compressions >= len(MIXED) and many_compressions >= 3 * len(MIXED)  # they compacted
+    assert max(few) == max(many) == 1, (few, many)  # the reports' one read, whatever the batch
+
+
 # ------------------------------------------------------------------ the math, without vLLM
 
 

@@ -27,7 +27,7 @@ import torch
 from .compat import Component, Problem, first_problem
 from .limits import bounded
 from .retrieval_profile import CALIBRATE, load_profile
-from .selection import Selection, rank_scores, select_keep, select_keep_per_head
+from .selection import Selection, best, rank_scores, select_keep, select_keep_per_head
 from .sharding import HeadShard
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class ObservedPrompt(Protocol):
     num_layers: int
 
     def layer_attention(self, layer: int) -> torch.Tensor:
-        """[Hq over all ranks, T] the layer's accumulated attention, on the host."""
+        """[Hq over all ranks, T] the layer's accumulated attention."""
         ...
 
     def ranked_scores(self, layer: int) -> torch.Tensor:
@@ -101,9 +101,9 @@ class Allocation(Component):
         """
         return None if self.from_attention else [budget] * num_layers
 
-    def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> list[int]:
-        """Slots each layer holds, from the observed prompt (allocations whose
-        `layer_budgets` are None)."""
+    def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> torch.Tensor:
+        """[num_layers] int64: slots each layer holds, from the observed prompt
+        (allocations whose `layer_budgets` are None), on the scores' device."""
         raise NotImplementedError(f"allocation {self.name!r} knows its budgets before the prompt runs")
 
     def cached_prefix_problem(self) -> str | None:
@@ -180,18 +180,19 @@ class Adaptive(Allocation):
         if self.floor < 0:
             raise ValueError(f"floor must be >= 0, got {self.floor}")
 
-    def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> list[int]:
+    def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> torch.Tensor:
         return self.attention_budgets([prompt.layer_attention(layer) for layer in range(prompt.num_layers)],
                                       budget, min_budget)
 
-    def attention_budgets(self, attention: list[torch.Tensor], budget: int, min_budget: int) -> list[int]:
-        """Tokens each layer keeps, from each layer's observed [Hq, T] attention."""
+    def attention_budgets(self, attention: list[torch.Tensor], budget: int, min_budget: int) -> torch.Tensor:
+        """[num_layers] int64: tokens each layer keeps, from each layer's
+        observed [Hq, T] attention (on its device: nothing read on the host)."""
         # methods.md: MBA_l = mean over (query) heads of the tokens holding
         # `coverage` of the observed attention; budget_l = max(floor, total * MBA_l / sum MBA).
-        needs = [float(tokens_for_mass(a, self.coverage).to(torch.float64).mean()) for a in attention]
+        needs = torch.stack([tokens_for_mass(a, self.coverage).to(torch.float64).mean() for a in attention])
         total = budget * len(attention)
         floor = max(self.floor, min_budget)
-        return [max(floor, int(total * need / sum(needs))) for need in needs]
+        return (total * needs / needs.sum()).to(torch.int64).clamp(min=floor)
 
 
 @dataclass(frozen=True)
@@ -221,9 +222,10 @@ class PerHead(Allocation):
     def cached_prefix_problem(self) -> str | None:
         return "allocation 'per_head' cannot keep a prefix-cache hit whole per head"
 
-    def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> list[int]:
+    def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> torch.Tensor:
         # A layer holds as many slots as its fullest head keeps.
-        return [int(self.head_counts(prompt.ranked_scores(layer), budget).max()) for layer in range(prompt.num_layers)]
+        return torch.stack([self.head_counts(prompt.ranked_scores(layer), budget).max()
+                            for layer in range(prompt.num_layers)])
 
     def select(self, scores: torch.Tensor, positions: torch.Tensor, *, slots: int, layer_budget: int, budget: int,
                protected: Callable[[int], tuple[int, int]], selection: Selection, shard: HeadShard) -> Selected:
@@ -233,7 +235,7 @@ class PerHead(Allocation):
         # One top-k over the layer's heads: the other ranks' heads take part.
         counts = shard.mine(self.head_counts(shard.all_heads(ranked), budget), ranked.shape[0])
         keep_idx, dead = select_keep_per_head(ranked, counts, slots)
-        return Selected(keep_idx, dead if dead.any() else None)
+        return Selected(keep_idx, dead)  # a mask even where every head is full: not read on the host
 
     def head_counts(self, ranked: torch.Tensor, budget: int) -> torch.Tensor:
         """[Hkv, T] ranked scores (protected tokens +inf) -> [Hkv] tokens each head keeps."""
@@ -243,10 +245,12 @@ class PerHead(Allocation):
         floor = min(int(self.alpha * budget), num_tokens)
         total = min(budget, num_tokens) * num_heads
         own = torch.zeros_like(ranked, dtype=torch.bool)
-        own.scatter_(1, ranked.topk(floor, dim=-1).indices, True)
+        own.scatter_(1, best(ranked, floor), True)
         rest = ranked.masked_fill(own, float("-inf")).flatten()
-        shared = rest.topk(total - floor * num_heads).indices // num_tokens
-        return floor + torch.bincount(shared, minlength=num_heads)
+        shared = best(rest[None], total - floor * num_heads)[0] // num_tokens
+        # scatter_add, not bincount: its output size is known without reading the data.
+        extra = torch.zeros(num_heads, dtype=torch.int64, device=ranked.device)
+        return floor + extra.scatter_add_(0, shared, torch.ones_like(shared))
 
 
 def water_fill(wants: list[float], cap: float) -> list[float]:

@@ -100,19 +100,33 @@ class ChunkSelection(Selection):
             raise ValueError(f"chunk_length must be >= 1, got {self.chunk_length}")
 
     def adjust(self, scores, positions, protected):
-        out = torch.empty_like(scores)
-        for h in range(scores.shape[0]):
-            # The ranked tokens (unprotected) in logical order, cut into chunks.
-            idx = positions[h].argsort()
-            idx = idx[~protected[h, idx]]
-            chunk = torch.arange(len(idx)) // self.chunk_length
-            sums = torch.zeros(int(chunk[-1]) + 1 if len(idx) else 0).index_add_(0, chunk, scores[h, idx])
-            # Chunks by summed score (ties: earlier first), tokens of a chunk
-            # in order: the k best ranks are whole chunks and the start of one more.
-            ranked = idx[torch.sort(-sums[chunk], stable=True).indices]
-            out[h] = float("-inf")
-            out[h, ranked] = torch.arange(len(ranked), 0, -1, dtype=out.dtype)
-        return out
+        num_heads, num_tokens = scores.shape
+        # The ranked tokens (unprotected) in logical order, cut into chunks;
+        # protected tokens go to one extra chunk that ranks nothing.
+        chrono, order = _chronological(scores, positions)
+        free = ~protected.gather(1, order)
+        num_chunks = -(-num_tokens // self.chunk_length)
+        chunk = torch.where(free, (free.cumsum(-1) - 1) // self.chunk_length, num_chunks)
+        sums = torch.zeros(num_heads, num_chunks + 1, dtype=chrono.dtype, device=chrono.device)
+        sums.scatter_add_(1, chunk, chrono.masked_fill(~free, 0.0))
+        # Chunks by summed score (ties: earlier first), tokens of a chunk in
+        # order: the k best ranks are whole chunks and the start of one more.
+        by_chunk = sums.gather(1, chunk).masked_fill(~free, float("-inf"))
+        place = _inverse(torch.sort(by_chunk, dim=-1, descending=True, stable=True).indices)
+        ranks = (free.sum(-1, keepdim=True) - place).to(scores.dtype).masked_fill(~free, float("-inf"))
+        return torch.empty_like(scores).scatter_(1, order, ranks)
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    """[H, T] row permutations -> their inverses (where each index sits)."""
+    steps = torch.arange(permutation.shape[-1], device=permutation.device).expand_as(permutation)
+    return torch.empty_like(permutation).scatter_(1, permutation, steps)
+
+
+def best(ranked: torch.Tensor, k: int) -> torch.Tensor:
+    """[H, T] -> [H, k] indices of each row's k highest values; ties go to the
+    lower index, the same on every device (topk leaves them to the backend)."""
+    return torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 SELECTIONS: dict[str, type[Selection]] = {cls.name: cls for cls in (TopScores, SpanCarry, ChunkSelection)}
@@ -149,9 +163,9 @@ def select_keep(
     """
     num_tokens = scores.shape[-1]
     if keep >= num_tokens:
-        return torch.arange(num_tokens).expand(scores.shape[0], -1).clone()
+        return torch.arange(num_tokens, device=scores.device).expand(scores.shape[0], -1).clone()
     ranked = rank_scores(scores, positions, sinks, recent, selection)
-    return hole_filling_order(torch.topk(ranked, keep, dim=-1, sorted=False).indices)
+    return hole_filling_order(best(ranked, keep))
 
 
 def select_keep_per_head(ranked: torch.Tensor, counts: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,13 +177,16 @@ def select_keep_per_head(ranked: torch.Tensor, counts: torch.Tensor, keep: int) 
     """
     num_heads, num_tokens = ranked.shape
     keep = min(keep, num_tokens)
-    kept = torch.zeros(num_heads, num_tokens, dtype=torch.bool)
-    padding = torch.zeros_like(kept)
-    for h in range(num_heads):
-        count = min(int(counts[h]), keep)
-        kept[h, ranked[h].topk(count, sorted=False).indices] = True
-        padding[h, (~kept[h, :keep]).nonzero().flatten()[: keep - count]] = True
-    order = hole_filling_order((kept | padding).nonzero()[:, 1].view(num_heads, keep))
+    counts = counts.to(ranked.device).clamp(max=keep)
+    # Fixed shapes only (no per-head loop, nothing read on the host).
+    kept = _inverse(torch.sort(ranked, dim=-1, descending=True, stable=True).indices) < counts[:, None]
+    free = ~kept[:, :keep]
+    padding = free & (free.cumsum(-1) <= (keep - counts)[:, None])  # the first slots it evicts, in place
+    chosen = kept.clone()
+    chosen[:, :keep] |= padding
+    # Each row holds exactly `keep` chosen tokens: their indices, ascending.
+    chosen_idx = torch.sort((~chosen).to(torch.int8), dim=-1, stable=True).indices[:, :keep]
+    order = hole_filling_order(chosen_idx)
     return order, ~torch.gather(kept, 1, order)
 
 
@@ -185,10 +202,12 @@ def hole_filling_order(kept: torch.Tensor) -> torch.Tensor:
     """
     num_heads, keep = kept.shape
     kept = kept.sort(dim=-1).values
-    moving = kept >= keep
-    stays = torch.zeros(num_heads, keep + 1, dtype=torch.bool)
-    stays.scatter_(1, kept.masked_fill(moving, keep), True)
-    order = torch.arange(keep).expand(num_heads, -1).clone()
-    # Per head, #holes == #movers; both masks flatten row by row.
-    order[~stays[:, :keep]] = kept[moving]
-    return order
+    stays = torch.zeros(num_heads, keep + 1, dtype=torch.bool, device=kept.device)
+    stays.scatter_(1, kept.clamp(max=keep), True)
+    holes = ~stays[:, :keep]
+    # Per head, #holes == #movers (m); the movers are the sorted row's last m
+    # entries, and hole i (ascending) takes mover i: fixed shapes, no host read.
+    movers = (kept >= keep).sum(-1, keepdim=True)
+    source = (keep - movers + holes.cumsum(-1) - 1).clamp(0, keep - 1)
+    steps = torch.arange(keep, device=kept.device).expand(num_heads, -1)
+    return torch.where(holes, kept.gather(1, source), steps)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import host_reads
 from .budgets import Selected
 from .merge import MergedTensor
 from .plan import CompressionPlan
@@ -57,8 +58,9 @@ class RequestTokens:
     def __init__(self, plan: CompressionPlan, num_layers: int, num_kv_heads: int, num_q_heads: int,
                  shard: HeadShard = ONE_DEVICE, device: torch.device | str = "cpu") -> None:
         self.plan = plan
-        # Where the cache is: attention scores accumulate there and per-head
-        # masks live there; only selections (decisions) read them on the host.
+        # Where the cache is: positions, scores, selections and per-head masks
+        # live there, and nothing of them is read on the host (host_reads.py):
+        # the lengths the host needs come from the plan.
         self.device = torch.device(device)
         self.scorer = plan.scorer
         self.shard = shard
@@ -75,7 +77,8 @@ class RequestTokens:
         # Positions per layer = what the last compaction kept ([Hkv, n], per
         # head) + the tokens appended since, one contiguous logical range shared
         # by every layer and head: appending costs O(1) per step.
-        self._kept = [torch.empty(num_kv_heads, 0, dtype=torch.int64) for _ in range(num_layers)]
+        self._kept = [torch.empty(num_kv_heads, 0, dtype=torch.int64, device=self.device)
+                      for _ in range(num_layers)]
         self._tail_start = 0
         self._tail_len = 0
         self.attention: list[torch.Tensor | None] = [None] * num_layers
@@ -135,7 +138,8 @@ class RequestTokens:
 
     def positions(self, layer: int) -> torch.Tensor:
         """[Hkv, T] logical positions of this layer's cached tokens (physical order)."""
-        tail = torch.arange(self._tail_start, self._tail_start + self._tail_len).expand(self.num_kv_heads, -1)
+        tail = torch.arange(self._tail_start, self._tail_start + self._tail_len,
+                            device=self.device).expand(self.num_kv_heads, -1)
         return torch.cat([self._kept[layer], tail], dim=1)
 
     def key_positions(self, layer: int) -> torch.Tensor:
@@ -149,7 +153,7 @@ class RequestTokens:
 
     def logits_noise(self, layer: int, q_positions: torch.Tensor):
         """The scorer's noise for these observed queries' logits (None: plain softmax)."""
-        return self.scorer.logits_noise(layer, q_positions.cpu(), self.key_positions(layer), self.num_compressions,
+        return self.scorer.logits_noise(layer, q_positions, self.key_positions(layer), self.num_compressions,
                                         self.shard.first(self.num_q_heads))
 
     def observe(self, layer: int, logits: torch.Tensor, q_positions: torch.Tensor) -> None:
@@ -198,17 +202,21 @@ class RequestTokens:
         return (self.plan.budgets_after_prompt and self.needs_attention
                 and int(q_positions.max()) == self.plan.prompt_len - 1)
 
+    def layer_slots(self) -> torch.Tensor:
+        """[num_layers] int64 on the device: each layer's slots from the observed
+        prompt (plans whose budgets come `budgets_after_prompt`), the same on every rank."""
+        return self.plan.allocation.prompt_budgets(self, self.plan.budget, self.scorer.min_budget())
+
     def attention_budgets(self) -> tuple[int, ...]:
-        """Per-layer slots from the observed prompt (plans whose budgets come
-        `budgets_after_prompt`), the same on every rank."""
-        return tuple(self.plan.allocation.prompt_budgets(self, self.plan.budget, self.scorer.min_budget()))
+        """`layer_slots` on the host (the engine's worker reads every request's at once)."""
+        return tuple(host_reads.read_list(self.layer_slots(), "layer budgets from the prompt"))
 
     def layer_attention(self, layer: int) -> torch.Tensor:
-        """[Hq over all ranks, T] the layer's accumulated attention, on the host."""
+        """[Hq over all ranks, T] the layer's accumulated attention."""
         observed = self._observed(layer)
         if observed is None:
             observed = torch.zeros(self.num_q_heads, 0, device=self.device)
-        return self.shard.all_heads(observed).cpu()
+        return self.shard.all_heads(observed)
 
     def ranked_scores(self, layer: int) -> torch.Tensor:
         """[Hkv over all ranks, T] the layer's scores as a top-k at the request's budget ranks them."""
@@ -268,31 +276,29 @@ class RequestTokens:
         positions = self.positions(layer)
         acc = self._observed(layer)
         obs = Observation(
-            # A decision: the scores come to the host (a copy the scorer may modify).
-            attention=None if acc is None else acc.to("cpu", copy=True),
+            attention=None if acc is None else acc.clone(),  # a copy the scorer may modify
             positions=positions,
             num_kv_heads=self.num_kv_heads,
             layer=layer,
             num_compressions=self.num_compressions,
             shard=self.shard,
-            keys=keys.to("cpu", torch.float32) if isinstance(keys, torch.Tensor) else None,
+            keys=keys.to(self.device, torch.float32) if isinstance(keys, torch.Tensor) else None,
             key_loader=None if keys is None or isinstance(keys, torch.Tensor)
-            else lambda: keys().to("cpu", torch.float32),
+            else lambda: keys().to(self.device, torch.float32),
             protected_len=self.plan.protected_len,
         )
         return self.scorer.score(obs), positions
 
     def keep_selected(self, layer: int, keep_idx: torch.Tensor) -> None:
         """Move this layer's bookkeeping the way its K/V were moved."""
-        self._kept[layer] = torch.gather(self.positions(layer), 1, keep_idx)
-        dead = self._dead_after.pop(layer, None)
-        # Built once per compaction, uploaded once: every later step masks with it.
-        self.dead[layer] = None if dead is None else dead.to(self.device)
+        positions = self.positions(layer)
+        self._kept[layer] = torch.gather(positions, 1, keep_idx)
+        self.dead[layer] = self._dead_after.pop(layer, None)  # every later step masks with it
         acc = self.attention[layer]
         if acc is not None:
-            acc = _pad_tokens(acc, int(keep_idx.max()) + 1)
+            acc = _pad_tokens(acc, positions.shape[-1])
             q_idx = keep_idx.repeat_interleave(self.group, dim=0)
-            self.attention[layer] = torch.gather(acc, 1, q_idx.to(acc.device))
+            self.attention[layer] = torch.gather(acc, 1, q_idx)
 
     def finish_compaction(self) -> None:
         """All layers are compacted: the appended tail now lives in `_kept`."""

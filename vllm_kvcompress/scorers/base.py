@@ -297,18 +297,20 @@ def check_at_least(name: str, value: float, low: float, unit: str = "") -> None:
 _MASK31 = (1 << 31) - 1
 
 
-def hash_uniform(seed: int, *index: torch.Tensor) -> torch.Tensor:
+def hash_uniform(seed: int, *index: torch.Tensor | int) -> torch.Tensor:
     """Deterministic uniforms in (0, 1) from integer coordinates.
 
     Random scorers (random, Keyformer's Gumbel noise) must draw the same number
     for the same (layer, head, position) in the engine and in the reference, no
     matter how the cache is laid out or batched, so noise is a hash of logical
     coordinates rather than a generator's stream. Products stay below 2**62:
-    no int64 overflow.
+    no int64 overflow. Computed on the device of the last index (the same
+    integers on every device), ints standing for 0-d indices.
     """
-    x = torch.tensor(seed & _MASK31, dtype=torch.int64)
+    device = index[-1].device if index and isinstance(index[-1], torch.Tensor) else None
+    x = torch.tensor(seed & _MASK31, dtype=torch.int64, device=device)
     for i in index:
-        x = (x * 1_000_003 + i.to(torch.int64).cpu()) & _MASK31
+        x = (x * 1_000_003 + torch.as_tensor(i, dtype=torch.int64, device=device)) & _MASK31
         x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & _MASK31
         x = ((x ^ (x >> 12)) * 0x297A2D39) & _MASK31
         x = x ^ (x >> 15)

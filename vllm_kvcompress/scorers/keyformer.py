@@ -30,8 +30,9 @@ class Keyformer(KeepsRecent):
             raise ValueError(f"delta_tau must be >= 0 and finite, got {self.delta_tau}")
 
     def logits_noise(self, layer, q_pos, k_pos, num_compressions, first_head=0) -> LogitsNoise:
-        heads = (torch.arange(k_pos.shape[0]) + first_head).view(-1, 1, 1)
-        u = hash_uniform(self.seed, torch.tensor(layer), heads, q_pos.view(1, -1, 1), k_pos.unsqueeze(1))
+        # On the keys' device: the same integers there as on the host.
+        heads = (torch.arange(k_pos.shape[0], device=k_pos.device) + first_head).view(-1, 1, 1)
+        u = hash_uniform(self.seed, layer, heads, q_pos.to(k_pos.device).view(1, -1, 1), k_pos.unsqueeze(1))
         return LogitsNoise(noise=-torch.log(-torch.log(u)).to(torch.float32),
                            tau=self.tau_init + self.delta_tau * num_compressions)
 

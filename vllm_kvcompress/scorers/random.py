@@ -17,8 +17,5 @@ class Random(KeepsRecent):
     seed: int = field(default=0, metadata=bounded(0, "seed", help="seed of the random scores"))
 
     def score(self, obs: Observation) -> torch.Tensor:
-        heads = (torch.arange(obs.num_kv_heads) + obs.first_kv_head).view(-1, 1)
-        return hash_uniform(
-            self.seed, torch.tensor(obs.layer), torch.tensor(obs.num_compressions),
-            heads, obs.positions,
-        ).to(torch.float32)
+        heads = (torch.arange(obs.num_kv_heads, device=obs.positions.device) + obs.first_kv_head).view(-1, 1)
+        return hash_uniform(self.seed, obs.layer, obs.num_compressions, heads, obs.positions).to(torch.float32)

@@ -59,38 +59,41 @@ class RKV(KeepsObservationWindow):
 
     def score(self, obs: Observation) -> torch.Tensor:
         if obs.attention is None:  # no query observed yet (a prompt within the window): redundancy alone
-            importance = torch.zeros(obs.positions.shape, dtype=torch.float32)
+            importance = torch.zeros(obs.positions.shape, dtype=torch.float32, device=obs.positions.device)
         else:
             importance = reduce_gqa(obs.attention, obs.attention.shape[0] // obs.num_kv_heads, "mean") / self.window
         # As the reference pools the tokens before its window.
         importance = pool_before_window(importance, obs.positions, self.window, self.kernel_size, "max")
-        redundancy = torch.zeros_like(importance)
-        keys = obs.cached_keys()
-        for h in range(obs.num_kv_heads):
-            candidates = (obs.positions[h] >= obs.protected_len).nonzero().flatten()
-            if len(candidates):
-                redundancy[h, candidates] = self.redundancy(keys[h, candidates], obs.positions[h, candidates])
+        redundancy = self.redundancy(obs.cached_keys(), obs.positions, obs.positions >= obs.protected_len)
         return self.mix_lambda * importance - (1.0 - self.mix_lambda) * redundancy
 
-    def redundancy(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[n] R over n candidate tokens of one head: keys [n, D], logical positions [n]."""
+    def redundancy(self, keys: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """[H, T] R per head over its candidate tokens (0 elsewhere): keys
+        [H, T, D], logical positions and candidate mask [H, T]. Every head at
+        once, masked rather than cut to its candidates: fixed shapes, nothing
+        read on the host."""
         unit = keys.float()
         unit = unit / (unit.norm(dim=-1, keepdim=True) + 1e-8)
-        n = unit.shape[0]
-        column_sums = torch.zeros(n, dtype=torch.float32, device=unit.device)
-        # S is n x n: a block of rows at a time, so the scratch stays within
-        # REDUNDANCY_ELEMENTS whatever the budget and interval (a long
-        # generation's cache would otherwise ask for n**2 floats at once).
-        step = max(1, REDUNDANCY_ELEMENTS // max(n, 1))
-        for start in range(0, n, step):
-            sim = unit[start : start + step] @ unit.T
-            rows = torch.arange(sim.shape[0], device=unit.device)
-            sim[rows, rows + start] = 0.0
-            duplicate = sim > self.threshold
+        num_heads, num_tokens = candidates.shape
+        column_sums = torch.zeros(num_heads, num_tokens, dtype=torch.float32, device=unit.device)
+        # S is T x T per head: a block of rows at a time, so the scratch stays
+        # within REDUNDANCY_ELEMENTS whatever the budget and interval (a long
+        # generation's cache would otherwise ask for H * T**2 floats at once).
+        step = max(1, REDUNDANCY_ELEMENTS // max(num_heads * num_tokens, 1))
+        for start in range(0, num_tokens, step):
+            rows = slice(start, start + step)
+            sim = unit[:, rows] @ unit.transpose(1, 2)  # [H, b, T]
+            among = candidates[:, rows].unsqueeze(2) & candidates.unsqueeze(1)
+            own = torch.arange(sim.shape[1], device=unit.device)
+            sim[:, own, own + start] = 0.0
+            sim = sim.masked_fill(~among, 0.0)
+            duplicate = (sim > self.threshold) & among
             # Each token's most recent near-duplicate (by logical position: after a
             # compaction the physical order is not chronological) is forgotten.
-            newest = torch.where(duplicate, positions.view(1, -1), -1).argmax(dim=1)
-            has = duplicate.any(dim=1).nonzero().flatten()
-            sim[has, newest[has]] = 0.0
-            column_sums += sim.sum(dim=0)
-        return (column_sums / n).softmax(dim=0)
+            newest = torch.where(duplicate, positions.unsqueeze(1), -1).argmax(dim=2, keepdim=True)
+            forget = torch.zeros_like(duplicate).scatter_(2, newest, duplicate.any(dim=2, keepdim=True))
+            column_sums += sim.masked_fill(forget, 0.0).sum(dim=1)
+        count = candidates.sum(dim=-1, keepdim=True).clamp(min=1)
+        mean = (column_sums / count).masked_fill(~candidates, float("-inf"))
+        # A head without candidates has nothing redundant (softmax of all -inf is NaN).
+        return torch.where(candidates, mean.softmax(dim=-1), 0.0)

@@ -22,8 +22,8 @@ class TOVA(KeepsRecent):
         assert obs.attention is not None
         # Slots are comparable across heads only while every head holds the
         # same tokens in the same slots, which is what a shared selection keeps
-        # (per-head budgets are refused with TOVA).
-        if not bool((obs.positions == obs.positions[:1]).all()):
-            raise RuntimeError("kv_compress: tova needs every KV head of a layer to hold the same tokens")
+        # (per-head budgets are refused with TOVA): checked on the device.
+        torch._assert_async((obs.positions == obs.positions[:1]).all(),
+                            "kv_compress: tova needs every KV head of a layer to hold the same tokens")
         every_head = obs.shard.all_heads(obs.attention)  # tensor parallel: the other ranks' heads too
         return every_head.mean(dim=0, keepdim=True).expand(obs.num_kv_heads, -1).clone()

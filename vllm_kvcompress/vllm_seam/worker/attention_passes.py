@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ... import host_reads
 from ...schedule import cdiv
 from ...step_records import ReportedBudgets
 from .step_inputs import ScoringBatch, StepRequest, padded, upload
@@ -251,10 +252,14 @@ class ObservedScores(AttentionPass):
         self.step.layers_seen += 1
         if self.step.layers_seen == worker.num_layers:
             worker.step = None  # a later warm-up or dummy run must not observe
+            reporting: list[tuple[str, torch.Tensor]] = []
             for r in self.step.observed:
                 if r.request_id not in worker.failed and r.state.reports_budgets(r.q_logical):
                     with worker.isolated(r.request_id, "layer budgets"):
-                        worker.reported.append(ReportedBudgets(r.request_id, r.state.attention_budgets()))
+                        reporting.append((r.request_id, r.state.layer_slots()))
+            if reporting:  # every request's layer budgets in one read
+                slots = host_reads.read_list(torch.stack([s for _, s in reporting]), "layer budgets from the prompt")
+                worker.reported += [ReportedBudgets(rid, tuple(row)) for (rid, _), row in zip(reporting, slots)]
             worker.snapshot.write(worker.seconds)
 
     def _observe_noisy(self, r: StepRequest, layer: int, group: int, query: torch.Tensor, keys: torch.Tensor) -> None:
@@ -270,7 +275,7 @@ class ObservedScores(AttentionPass):
             assert noise is not None
             rows = len(r.token_idx[sl])
             scores = torch.zeros(rows, heads, seq_len, dtype=torch.float32, device=device)
-            # The noise is a hash of logical coordinates, made on the host (base.hash_uniform).
+            # The noise is a hash of logical coordinates, made on the keys' device (base.hash_uniform).
             self.worker.ops.accumulate_decode_scores(
                 query[r.token_idx[sl]], keys, r.block_ids[group].expand(rows, -1),
                 r.q_physical[group][sl] + 1, scores, self.worker.scales[layer],

@@ -104,13 +104,15 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
         batch = list(selected)
         if batch:
             op_keeps = [_copy_indices(k, *copied[i, g]) if (i, g) in copied else k for i, k in selected.items()]
+            # Built on the device from the device selections; the counts are
+            # the plan's lengths (shapes), never read back from the device.
             width = max(k.shape[1] for k in op_keeps)
-            keep_idx = torch.zeros(len(op_keeps), worker.num_kv_heads, width, dtype=torch.int64)
+            keep_idx = torch.zeros(len(op_keeps), worker.num_kv_heads, width, dtype=torch.int64, device=device)
             for j, k in enumerate(op_keeps):
                 keep_idx[j, :, : k.shape[1]] = k
             counts = torch.tensor([[k.shape[1]] * worker.num_kv_heads for k in op_keeps], dtype=torch.int64)
             table = op_tables[g] if len(batch) == len(keeps) else op_tables[g][upload(torch.tensor(batch), device)]
-            worker.ops.compact_kv_batched(keys, values, table, upload(keep_idx, device), upload(counts, device))
+            worker.ops.compact_kv_batched(keys, values, table, keep_idx, upload(counts, device))
         for i in range(len(keeps)):
             keep, state = keeps[i], states[i]
             if not live[i] or keep is None or state is None:
@@ -174,15 +176,16 @@ def _copy_indices(keep: torch.Tensor, first: int, fresh: int) -> torch.Tensor:
     blocks followed by the original blocks from slot `first` on: slots before
     `first` stay (the protected start keeps them in place), every other kept
     token is copied from the originals."""
-    if first and not bool((keep[:, :first] == torch.arange(first)).all()):
-        raise RuntimeError("kv_compress: a compaction would move tokens of the protected start")
+    if first:  # checked on the device (a host read would stall the batch)
+        torch._assert_async((keep[:, :first] == torch.arange(first, device=keep.device)).all(),
+                            "kv_compress: a compaction would move tokens of the protected start")
     return keep[:, first:] - first + fresh
 
 
 def _kept_dense(ops, view: torch.Tensor, row: torch.Tensor, length: int, keep: torch.Tensor) -> torch.Tensor:
     """The kept tokens [Hkv, K, D] of one request's layer, in the order `keep` [Hkv, K] lists them."""
     dense = ops.gather_dense(view, row, length)
-    return torch.gather(dense, 1, keep.to(dense.device).unsqueeze(-1).expand(-1, -1, dense.shape[-1]))
+    return torch.gather(dense, 1, keep.unsqueeze(-1).expand(-1, -1, dense.shape[-1]))
 
 
 def _write_slots(key_view: torch.Tensor, value_view: torch.Tensor, row, keys: torch.Tensor,

@@ -1,0 +1,29 @@
+"""Every read of cache-device data on the host goes through `read`, which names why.
+
+On CUDA a host read waits for everything queued on the GPU before it (a
+sync): each one stalls the whole batch. So the plugin reads device data only
+here: each read is counted by its reason (`COUNTS`), a test counts them in a
+real engine (per step a small constant, none per layer in the attention
+hooks), and another keeps `.item()`, `.tolist()`, `.cpu()` and friends out of
+the rest of the package (tests/test_host_reads.py). Host data (vLLM's CPU
+arrays, the plan's numbers) never needs it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+COUNTS: Counter[str] = Counter()  # reason -> reads, in this process
+
+
+def read(tensor: torch.Tensor, why: str) -> torch.Tensor:
+    """`tensor` on the host: one transfer, counted under `why`."""
+    COUNTS[why] += 1
+    return tensor.to("cpu")
+
+
+def read_list(tensor: torch.Tensor, why: str) -> list:
+    """`tensor` as (nested) Python numbers: one transfer, counted under `why`."""
+    return read(tensor, why).tolist()
