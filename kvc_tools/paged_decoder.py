@@ -27,8 +27,8 @@ under the plugin's metadata edit; the worker's `attend_fused` writes them.
 Needs torch only (Triton on CUDA); `random_llama` makes weights without
 transformers. On CPU (CI) its greedy tokens equal the reference decoder's on
 the same model (tests/test_paged_decoder.py); on a GPU, scripts/gpu_check.sh
-runs it on CUDA against the same run on CPU, with the per-layer hooks under
-`torch.cuda.set_sync_debug_mode("error")` (no host sync).
+runs it on CUDA against the same run on CPU, with the per-layer hooks and the
+compactions under `torch.cuda.set_sync_debug_mode("error")` (no host sync).
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ class PagedDecoder:
         each with its config (one for all, or one per prompt; `layer_groups`,
         an engine setting, is the first one's).
 
-        `check_syncs` (CUDA): the per-layer hooks run under
-        torch.cuda.set_sync_debug_mode("error"): a host sync there raises.
+        `check_syncs` (CUDA): the per-layer hooks and each step's compactions
+        run under torch.cuda.set_sync_debug_mode("error"): a host sync there raises.
         Returns per prompt: tokens, kept logical positions per layer at the
         end (None: uncompressed), blocks held per group at the end.
         """
@@ -190,7 +190,8 @@ class PagedDecoder:
             next_due = {rid: plans[rid].next_due(logical[rid]) for rid in ids if plans[rid].plan is not None}
             attach_step_plan(scheduler_output, StepPlan(started=started, compactions=compactions, next_due=next_due,
                                                         compressing=bool(next_due)))
-            worker.before_update_states(scheduler_output)
+            with _no_syncs(check_syncs and self.device.type == "cuda"):  # the step's compactions
+                worker.before_update_states(scheduler_output)
             started = []
             for rid in ids:  # blocks the compactions truncated return to the pool
                 for before, after in zip(held[rid], runner.requests[rid].block_ids):

@@ -124,8 +124,9 @@ def test_paged_harness_with_triton_ops_equals_torch_ops(configs):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_paged_harness_on_cuda_equals_cpu_without_host_syncs(layout):
     """The CUDA path (Triton ops, device-resident scores and masks) gives the
-    CPU path's tokens and kept positions, and its per-layer hooks never wait
-    for the device (torch.cuda.set_sync_debug_mode('error') around them)."""
+    CPU path's tokens and kept positions, and neither its per-layer hooks nor
+    its compactions wait for the device (torch.cuda.set_sync_debug_mode('error')
+    around them)."""
     cfg, weights = random_llama(seed=5, num_hidden_layers=NUM_LAYERS)
     batch = prompts((130, 97, 161), seed=7)
     runs = [[KVCompressConfig.from_dict(c) if c else KVCompressConfig() for c in configs]

@@ -5,7 +5,7 @@ sync): each one stalls the whole batch. So the plugin reads device data only
 here: each read is counted by its reason (`COUNTS`), a test counts them in a
 real engine (per step a small constant, none per layer in the attention
 hooks), and another keeps `.item()`, `.tolist()`, `.cpu()` and friends out of
-the rest of the package (tests/test_host_reads.py). Host data (vLLM's CPU
+the rest of the package (tests/test_device_selection.py). Host data (vLLM's CPU
 arrays, the plan's numbers) never needs it.
 """
 

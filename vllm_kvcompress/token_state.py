@@ -322,3 +322,21 @@ def score_bytes_per_kv_byte(num_q_heads: int, num_kv_heads: int, head_dim: int, 
     (one K and one V per KV head, `kv_bytes` each element): what a KV cache
     of B bytes can cost again in scores, at most, is B times this."""
     return 4 * num_q_heads / (2 * num_kv_heads * head_dim * kv_bytes)
+
+
+def selection_scratch_bytes(max_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Most bytes one layer's selection of one request holds at once on the
+    device, beyond the persistent scores: compaction selects one (request,
+    layer) at a time, so this bounds the whole step's transient scratch.
+
+    Per cached token: the scores' copy and reductions (16 B per query head:
+    float32 copy, sum and pooled forms), the ranking (64 B per KV head:
+    sort values and indices, positions, inverse permutation, masks), and the
+    dense float32 keys and values a key-reading scorer or a MiniCache pair
+    gathers (2 x 4 B per KV head and dimension); plus R-KV's similarity block
+    (`REDUNDANCY_ELEMENTS` x 8 B: the float32 block, its masks and argmax)."""
+    from .scorers.rkv import REDUNDANCY_ELEMENTS
+
+    per_token = 16 * num_q_heads + 64 * num_kv_heads + 8 * num_kv_heads * head_dim
+    return max_tokens * per_token + 8 * REDUNDANCY_ELEMENTS
+

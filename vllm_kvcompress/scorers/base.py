@@ -304,14 +304,15 @@ def hash_uniform(seed: int, *index: torch.Tensor | int) -> torch.Tensor:
     for the same (layer, head, position) in the engine and in the reference, no
     matter how the cache is laid out or batched, so noise is a hash of logical
     coordinates rather than a generator's stream. Products stay below 2**62:
-    no int64 overflow. Computed on the device of the last index (the same
-    integers on every device), ints standing for 0-d indices.
+    no int64 overflow. Computed on the device of the tensor indices (the same
+    integers on every device); ints stand for 0-d indices and stay Python
+    ints until a tensor joins (no copy to the device, which would sync).
     """
-    device = index[-1].device if index and isinstance(index[-1], torch.Tensor) else None
-    x = torch.tensor(seed & _MASK31, dtype=torch.int64, device=device)
+    x: torch.Tensor | int = seed & _MASK31
     for i in index:
-        x = (x * 1_000_003 + torch.as_tensor(i, dtype=torch.int64, device=device)) & _MASK31
+        x = (x * 1_000_003 + (i.to(torch.int64) if isinstance(i, torch.Tensor) else i)) & _MASK31
         x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & _MASK31
         x = ((x ^ (x >> 12)) * 0x297A2D39) & _MASK31
         x = x ^ (x >> 15)
+    x = torch.as_tensor(x, dtype=torch.int64)
     return (x.to(torch.float64) + 0.5) / float(1 << 31)

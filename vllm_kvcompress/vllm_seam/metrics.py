@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ENV = "VLLM_KVCOMPRESS_METRICS_DIR"  # inherited by the engine core and workers
@@ -42,11 +43,17 @@ class SnapshotWriter:
         self.last = 0.0
         self.failing = False  # warned about a failed write; reset by a successful one
 
-    def write(self, data: dict, force: bool = False) -> None:
+    @property
+    def enabled(self) -> bool:
+        """Whether this process writes snapshots (a metrics folder is set)."""
+        return self.path is not None
+
+    def write(self, data: dict | Callable[[], dict], force: bool = False) -> None:
+        """`data`, or what makes it (called only when a snapshot is due)."""
         now = time.monotonic()
         if self.path is None or (not force and now - self.last < MIN_INTERVAL):
             return
-        text = json.dumps(data)
+        text = json.dumps(data() if callable(data) else data)
         try:
             try:
                 self._write(self.path, text)

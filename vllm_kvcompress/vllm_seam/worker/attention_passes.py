@@ -16,7 +16,6 @@ neither masked nor merged). One small class per pass, one entry point (`run`).
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from ... import host_reads
 from ...schedule import cdiv
 from ...step_records import ReportedBudgets
-from .step_inputs import ScoringBatch, StepRequest, padded, upload
+from .step_inputs import ScoringBatch, StepRequest, padded
 
 if TYPE_CHECKING:
     from .state import WorkerCompression
@@ -112,7 +111,10 @@ class FusedDecode(AttentionPass):
         batch = self.step.batch("fused", group)
         if batch is None:
             return
-        start = time.perf_counter()
+        with worker.timer.phase("scoring"):
+            self._fused(worker, batch, group, layer, query, kv_cache, output)
+
+    def _fused(self, worker, batch, group, layer, query, kv_cache, output) -> None:
         keys, values = worker.views(kv_cache)
         # One zeroed buffer per group and step, reused by its layers: the
         # probabilities are added into each request's own scores right after.
@@ -130,7 +132,6 @@ class FusedDecode(AttentionPass):
         for i, r in enumerate(batch.requests):
             with worker.isolated(r.request_id, "decode scoring"):
                 r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
-        worker.seconds["scoring"] += time.perf_counter() - start
 
 
 class MaskedHeads(AttentionPass):
@@ -231,24 +232,23 @@ class ObservedScores(AttentionPass):
 
     def run(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
         worker = self.worker
-        start = time.perf_counter()
         group = worker.group_of_layer[layer]
         keys = worker.views(kv_cache)[0]
-        batch = self.step.batch("window", group)
-        if batch is not None:
-            # One op over every request: softmax sums per cached slot.
-            q = query[batch.token_idx]
-            scores = worker.ops.window_scores_batched(
-                q, batch.cu_q_lens, keys, batch.block_tables, batch.seq_lens, batch.q_positions,
-                worker.scales[layer], max_seq_len=batch.max_seq_len, max_q_len=batch.max_q_len)
-            for i, r in enumerate(batch.requests):
-                with worker.isolated(r.request_id, "scoring"):
-                    r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
-        for r in self.step.observed:
-            if r.state.noisy and r.request_id not in worker.failed:
-                with worker.isolated(r.request_id, "noisy scoring"):
-                    self._observe_noisy(r, layer, group, query, keys)
-        worker.seconds["scoring"] += time.perf_counter() - start
+        with worker.timer.phase("scoring"):
+            batch = self.step.batch("window", group)
+            if batch is not None:
+                # One op over every request: softmax sums per cached slot.
+                q = query[batch.token_idx]
+                scores = worker.ops.window_scores_batched(
+                    q, batch.cu_q_lens, keys, batch.block_tables, batch.seq_lens, batch.q_positions,
+                    worker.scales[layer], max_seq_len=batch.max_seq_len, max_q_len=batch.max_q_len)
+                for i, r in enumerate(batch.requests):
+                    with worker.isolated(r.request_id, "scoring"):
+                        r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
+            for r in self.step.observed:
+                if r.state.noisy and r.request_id not in worker.failed:
+                    with worker.isolated(r.request_id, "noisy scoring"):
+                        self._observe_noisy(r, layer, group, query, keys)
         self.step.layers_seen += 1
         if self.step.layers_seen == worker.num_layers:
             worker.step = None  # a later warm-up or dummy run must not observe
@@ -260,7 +260,7 @@ class ObservedScores(AttentionPass):
             if reporting:  # every request's layer budgets in one read
                 slots = host_reads.read_list(torch.stack([s for _, s in reporting]), "layer budgets from the prompt")
                 worker.reported += [ReportedBudgets(rid, tuple(row)) for (rid, _), row in zip(reporting, slots)]
-            worker.snapshot.write(worker.seconds)
+            worker.snapshot.write(worker.timer.seconds)
 
     def _observe_noisy(self, r: StepRequest, layer: int, group: int, query: torch.Tensor, keys: torch.Tensor) -> None:
         """Scorers that perturb the logits (Keyformer): each observed query is
@@ -271,7 +271,7 @@ class ObservedScores(AttentionPass):
         total = torch.zeros(heads, seq_len, dtype=torch.float32, device=device)
         for i in range(0, len(r.token_idx), step):
             sl = slice(i, i + step)
-            noise = r.state.logits_noise(layer, r.q_logical[sl])
+            noise = r.state.logits_noise(layer, r.logical_on(device)[sl])
             assert noise is not None
             rows = len(r.token_idx[sl])
             scores = torch.zeros(rows, heads, seq_len, dtype=torch.float32, device=device)
@@ -279,7 +279,7 @@ class ObservedScores(AttentionPass):
             self.worker.ops.accumulate_decode_scores(
                 query[r.token_idx[sl]], keys, r.block_ids[group].expand(rows, -1),
                 r.q_physical[group][sl] + 1, scores, self.worker.scales[layer],
-                ("gumbel", upload(noise.noise, device).transpose(0, 1), noise.tau), max_seq_len=seq_len)
+                ("gumbel", noise.noise.transpose(0, 1), noise.tau), max_seq_len=seq_len)
             total += scores.sum(dim=0)
         r.state.accumulate(layer, total)
 

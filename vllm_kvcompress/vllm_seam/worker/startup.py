@@ -13,7 +13,7 @@ import torch
 
 from ...config import CONFIG_KEY
 from ...sharding import ONE_DEVICE, HeadShard
-from ...token_state import score_bytes_per_kv_byte
+from ...token_state import score_bytes_per_kv_byte, selection_scratch_bytes
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
@@ -102,8 +102,9 @@ def wrap_determine_available_memory(original):
     per-request scores (float32 per query head and cached token, on the
     device while a policy needs them) grow with the cached tokens and were
     never part of that run. Worst case every cached token carries scores, so
-    the cache gets B / (1 + f) of the B bytes, f = score bytes per KV byte
-    (about 3% for 4 query heads per KV head, head_dim 128, bf16). The CPU
+    the cache gets (B - S) / (1 + f) of the B bytes, f = score bytes per KV
+    byte (about 3% for 4 query heads per KV head, head_dim 128, bf16), S the
+    selection's transient scratch at max_model_len (`selection_scratch_bytes`). The CPU
     worker sizes its cache from VLLM_CPU_KVCACHE_SPACE instead (its own
     method; this one is not called there)."""
 
@@ -114,12 +115,14 @@ def wrap_determine_available_memory(original):
         if self.cache_config.cache_dtype != "auto":  # check_layout refuses other cache dtypes at startup
             return available
         model, parallel = self.model_config, self.parallel_config
-        ratio = score_bytes_per_kv_byte(model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel),
-                                        model.get_head_size(), model.dtype.itemsize)
-        kept = int(available / (1 + ratio))
+        q_heads, kv_heads = model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel)
+        ratio = score_bytes_per_kv_byte(q_heads, kv_heads, model.get_head_size(), model.dtype.itemsize)
+        # The selection's transient scratch is held aside too (one request's layer at a time).
+        scratch = selection_scratch_bytes(model.max_model_len, q_heads, kv_heads, model.get_head_size())
+        kept = int(max(available - scratch, 0) / (1 + ratio))
         logger.info("kv_compress: %.2f GiB of %.2f GiB left for the KV cache; %.2f GiB for scores "
-                    "(%.1f%% of the KV bytes)", kept / 2**30, available / 2**30, (available - kept) / 2**30,
-                    100 * ratio)
+                    "(%.1f%% of the KV bytes) and %.2f GiB of selection scratch", kept / 2**30, available / 2**30,
+                    (available - scratch - kept) / 2**30, 100 * ratio, scratch / 2**30)
         return kept
 
     return determine_available_memory

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +34,7 @@ from .attention_passes import StepPasses
 from .compaction import FAULT_ENV, compact_requests
 from .startup import CACHE_WRITERS, check_layout, check_scoring_exact, tensor_parallel_shard
 from .step_inputs import MetadataEdits
+from .timing import PhaseTimer
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
@@ -114,8 +114,8 @@ class WorkerCompression:
         self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group
         # Per-layer budgets decided from this step's attention, for the scheduler.
         self.reported: list[ReportedBudgets] = []
-        self.seconds = {"scoring": 0.0, "compaction": 0.0}  # for /metrics
         self.snapshot = SnapshotWriter("worker")
+        self.timer = PhaseTimer(self.device, enabled=self.snapshot.enabled)  # for /metrics
         # Requests whose compression raised in this step: each fails alone
         # (the scheduler finishes it with an error), the others go on.
         self.failed: set[str] = set()
@@ -178,10 +178,9 @@ class WorkerCompression:
             if state is not None:
                 state.next_due = due
         if plan.compactions:
-            start = time.perf_counter()
-            compact_requests(self, plan.compactions)
-            self.seconds["compaction"] += time.perf_counter() - start
-            self.snapshot.write(self.seconds)
+            with self.timer.phase("compaction"):
+                compact_requests(self, plan.compactions)
+            self.snapshot.write(self.timer.seconds)
         self.evicted = plan.evicted
 
 

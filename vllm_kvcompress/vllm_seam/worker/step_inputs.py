@@ -49,7 +49,8 @@ def padded(rows, device: torch.device) -> torch.Tensor:
 class StepRequest:
     """One request's queries in the running step, and where its cache is.
     Index tensors are on the cache's device (uploaded once per step, read by
-    every layer); logical positions stay on the host, where decisions are made."""
+    every layer); logical positions stay on the host, where the step's
+    decisions are made (uploaded once for scorers that hash them)."""
 
     request_id: str
     state: RequestTokens
@@ -59,6 +60,12 @@ class StepRequest:
     q_physical: list[torch.Tensor]
     seq_lens: list[int]
     block_ids: list[torch.Tensor]
+    q_logical_device: torch.Tensor | None = None  # q_logical on the cache's device, once needed
+
+    def logical_on(self, device: torch.device) -> torch.Tensor:
+        if self.q_logical_device is None:
+            self.q_logical_device = upload(self.q_logical, device)
+        return self.q_logical_device
 
 
 @dataclass
