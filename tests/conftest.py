@@ -36,7 +36,9 @@ def start_engine():
     engines: list[Engine] = []
 
     def start(**kwargs) -> Engine:
-        engines.append(Engine(**kwargs))
+        # In this process unless it needs several (tensor or data parallel).
+        parallel = kwargs.get("tensor_parallel_size", 1) > 1 or kwargs.get("data_parallel_size", 1) > 1
+        engines.append(Engine(in_process=not parallel, **kwargs))
         return engines[-1]
 
     yield start

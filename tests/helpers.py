@@ -22,14 +22,28 @@ def engine_kwargs(model: str, **overrides) -> dict:
 
 
 class Engine:
-    """A started `LLM`, closed by `close()` (fixtures call it at teardown)."""
+    """A started `LLM`, closed by `close()` (fixtures call it at teardown).
 
-    def __init__(self, **kwargs) -> None:
+    `in_process`: the engine core runs in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same scheduler, worker and
+    plugin, started in a few seconds instead of ~25 (no spawned process
+    importing vLLM again). Tensor- and data-parallel engines need processes."""
+
+    def __init__(self, in_process: bool = False, **kwargs) -> None:
+        import pytest
+        import vllm.envs
         from vllm import LLM
 
         import vllm_kvcompress  # noqa: F401  (LLM(kv_compress=...) keywords)
 
-        self.llm = LLM(**kwargs)
+        if not in_process:
+            self.llm = LLM(**kwargs)
+            return
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            vllm.envs.disable_envs_cache()
+            self.llm = LLM(**kwargs)
+        vllm.envs.disable_envs_cache()  # the engine cached the environment
 
     def generate(self, prompts: list[list[int]], max_tokens: int = 40, overrides=None) -> list[list[int]]:
         """Greedy tokens per prompt; `overrides[i]` is prompt i's kv_compress extra_args."""
@@ -64,17 +78,12 @@ class Engine:
 def in_process_engine(**kwargs):
     """An `Engine` whose core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
     `step()` is one scheduler step, and the pool can be read between steps."""
-    import pytest
-    import vllm.envs
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        engine = Engine(**kwargs)
-        try:
-            yield engine
-        finally:
-            engine.close()
-    vllm.envs.disable_envs_cache()  # the in-process engine cached the environment
+    engine = Engine(in_process=True, **kwargs)
+    try:
+        yield engine
+    finally:
+        engine.close()
 
 
 def random_prompts(lengths, seed: int = 0, vocab: int = 2000) -> list[list[int]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import BLOCK_SIZE, Engine, engine_kwargs, random_prompts
+from helpers import BLOCK_SIZE, engine_kwargs, in_process_engine, random_prompts
 from vllm_kvcompress.schedule import cdiv
 
 NUM_BLOCKS = 20  # block 0 is vLLM's null block: 19 usable
@@ -180,14 +180,8 @@ def test_free_returns_everything_and_forgets_the_request(manager):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    import vllm.envs
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        engine = Engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=2))
+    with in_process_engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=2)) as engine:
         yield engine
-        engine.close()
-    vllm.envs.disable_envs_cache()  # the in-process engine cached the environment
 
 
 def test_engine_groups_get_the_compressed_manager(engine):
