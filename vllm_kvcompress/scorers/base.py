@@ -156,7 +156,7 @@ class Observation:
     protected_len: int = 0
 
     def cached_keys(self) -> torch.Tensor:
-        """[num_kv_heads, T, head_dim] the layer's cached keys (float32, on the host)."""
+        """[num_kv_heads, T, head_dim] the layer's cached keys (float32, on the cache's device)."""
         if self.keys is None:
             if self.key_loader is None:
                 raise RuntimeError(f"kv_compress: no cached keys were given for layer {self.layer}")
