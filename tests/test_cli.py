@@ -11,13 +11,35 @@ import requests
 from helpers import random_prompts
 from server_utils import VLLM, Server
 
+HELP = ("serve", "--help=KVCompress")
+BAD_FLAGS = [
+    (["--kv-compress", "snapkv", "--kv-compress-ratio", "1.5"], "kv_compress.compression_ratio: must be in [0, 1)"),
+    (["--kv-compress-ratio", "1.5"], "kv_compress.compression_ratio: must be in [0, 1)"),  # the value, not the policy
+    (["--kv-compress-config", "/nonexistent.yaml"],
+     "kv_compress.config: cannot read the recipe '/nonexistent.yaml' (--kv-compress-config)"),
+]
 
-def run_vllm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([VLLM, *args], capture_output=True, text=True, timeout=timeout)
+
+def bad_flag_command(tiny_model: str, args: list[str]) -> tuple[str, ...]:
+    return ("serve", tiny_model, "--dtype", "float32", *args)
 
 
-def test_help_lists_the_flag_group():
-    out = run_vllm("serve", "--help=KVCompress")
+@pytest.fixture(scope="module")
+def commands(tiny_model) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """The real `vllm` commands this module checks, run at once (each spends
+    its seconds importing vLLM): command -> its result."""
+    wanted = [HELP, *(bad_flag_command(tiny_model, args) for args, _ in BAD_FLAGS)]
+    procs = {c: subprocess.Popen([VLLM, *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in wanted}
+    results = {}
+    for command, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=240)
+        results[command] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return results
+
+
+def test_help_lists_the_flag_group(commands):
+    out = commands[HELP]
     assert out.returncode == 0, out.stderr
     for flag in ("--kv-compress ", "--kv-compress-budget", "--kv-compress-ratio", "--kv-compress-config",
                  "--kv-compress-window", "--kv-compress-sink-tokens", "--kv-compress-kernel-size",
@@ -26,15 +48,10 @@ def test_help_lists_the_flag_group():
     assert "snapkv 32" in out.stdout  # each policy's default is shown
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--kv-compress", "snapkv", "--kv-compress-ratio", "1.5"], "kv_compress.compression_ratio: must be in [0, 1)"),
-    (["--kv-compress-ratio", "1.5"], "kv_compress.compression_ratio: must be in [0, 1)"),  # the value, not the policy
-    (["--kv-compress-config", "/nonexistent.yaml"],
-     "kv_compress.config: cannot read the recipe '/nonexistent.yaml' (--kv-compress-config)"),
-])
-def test_bad_flag_fails_the_real_command_with_one_line(tiny_model, args, needle):
+@pytest.mark.parametrize("args, needle", BAD_FLAGS)
+def test_bad_flag_fails_the_real_command_with_one_line(commands, tiny_model, args, needle):
     """As vLLM's own argument errors: usage, one error line naming the field, exit 2, no traceback."""
-    out = run_vllm("serve", tiny_model, "--dtype", "float32", *args)
+    out = commands[bad_flag_command(tiny_model, args)]
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and needle in errors[0], out.stderr[-2000:]
