@@ -1,7 +1,9 @@
 """Shared fixtures: the tiny random Llama, and real vLLM engines shared per module.
 
-An engine takes ~30-40 s to start on these machines, so each configuration is
-started once (module or session scope) and shut down when its tests are done.
+Engines run their core in the test process (a few seconds to start; a
+spawned core takes ~25 s importing vLLM again), except tensor- and
+data-parallel ones; each configuration is started once (module or session
+scope) and shut down when its tests are done.
 """
 
 from __future__ import annotations
