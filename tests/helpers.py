@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import random
 
 BLOCK_SIZE = 32  # small blocks: evictions free blocks at small budgets
@@ -89,3 +90,19 @@ def in_process_engine(**kwargs):
 def random_prompts(lengths, seed: int = 0, vocab: int = 2000) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def plain_best(values: list[float], k: int) -> list[int]:
+    """The k highest, ties to the lower index."""
+    return sorted(range(len(values)), key=lambda i: (-values[i], i))[:k]
+
+
+def plain_head_counts(ranked: list[list[float]], budget: int, alpha: float) -> list[int]:
+    """AdaKV (methods.md): each head its own top alpha * budget, then one top of
+    the rest over every head, budget x heads in all; ties to the lower (head, token)."""
+    heads, tokens = len(ranked), len(ranked[0])
+    floor = min(int(alpha * budget), tokens)
+    own = [set(plain_best(row, floor)) for row in ranked]
+    rest = [-math.inf if i in own[h] else ranked[h][i] for h in range(heads) for i in range(tokens)]
+    shared = plain_best(rest, min(budget, tokens) * heads - floor * heads)
+    return [floor + sum(1 for j in shared if j // tokens == h) for h in range(heads)]

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import plain_head_counts
 from vllm_kvcompress.budgets import ALLOCATIONS
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.plan import resolve_plan
@@ -254,18 +255,6 @@ def naive_layer_keeps(allocation: str, scorer: str, attention_per_layer: list[di
     return [BUDGET] * NUM_LAYERS
 
 
-def naive_head_counts(ranked_per_head: list[list[float]], alpha: float = 0.2) -> list[int]:
-    """AdaKV: each head's own top alpha*budget, then one top over all heads' remaining scores."""
-    floor = int(alpha * BUDGET)
-    own = [set(sorted(range(len(r)), key=lambda i: -r[i])[:floor]) for r in ranked_per_head]
-    rest = sorted(((r[i], h) for h, r in enumerate(ranked_per_head) for i in range(len(r)) if i not in own[h]),
-                  key=lambda x: -x[0])
-    counts = [floor] * len(ranked_per_head)
-    for _, h in rest[: BUDGET * len(ranked_per_head) - floor * len(ranked_per_head)]:
-        counts[h] += 1
-    return counts
-
-
 # ---------------------------------------------------------------- the drive
 
 
@@ -369,7 +358,7 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, cached_len
             if allocation == "per_head":
                 ranked_heads = [naive_ranked(scorer, selection, g, layer, sorted(cached[layer][g]),
                                              attention[layer], rc.num_compressions, BUDGET) for g in range(HKV)]
-                per_head_counts = naive_head_counts(ranked_heads)
+                per_head_counts = plain_head_counts(ranked_heads, BUDGET, alpha=0.2)
             for h in range(HKV):
                 positions = sorted(cached[layer][h])
                 if per_head_counts is not None:

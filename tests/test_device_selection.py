@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import ast
 import itertools
-import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import plain_best, plain_head_counts
 from vllm_kvcompress.budgets import ALLOCATIONS
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.plan import resolve_plan
@@ -117,22 +117,6 @@ def plain_ranked(scores: list[float], positions: list[int], sinks: int, recent: 
         for rank, i in enumerate(order):
             scores[i] = float(len(order) - rank)
     return [inf if protected[i] else s for i, s in enumerate(scores)]
-
-
-def plain_best(values: list[float], k: int) -> list[int]:
-    """The k highest, ties to the lower index."""
-    return sorted(range(len(values)), key=lambda i: (-values[i], i))[:k]
-
-
-def plain_head_counts(ranked: list[list[float]], budget: int, alpha: float) -> list[int]:
-    """AdaKV (methods.md): each head its own top alpha * budget, then one top of
-    the rest over every head, budget x heads in all; ties to the lower (head, token)."""
-    heads, tokens = len(ranked), len(ranked[0])
-    floor = min(int(alpha * budget), tokens)
-    own = [set(plain_best(row, floor)) for row in ranked]
-    rest = [-math.inf if i in own[h] else ranked[h][i] for h in range(heads) for i in range(tokens)]
-    shared = plain_best(rest, min(budget, tokens) * heads - floor * heads)
-    return [floor + sum(1 for j in shared if j // tokens == h) for h in range(heads)]
 
 
 SELECTED = [("uniform", "top"), ("uniform", "span"), ("uniform", "chunk"), ("per_head", "top"), ("per_head", "span")]

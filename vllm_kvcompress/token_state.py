@@ -304,6 +304,7 @@ class RequestTokens:
         """All layers are compacted: the appended tail now lives in `_kept`."""
         self._tail_len = 0
         self.num_compressions += 1
+        self._last_key, self._last_selected = None, None  # never reused: the key holds the compaction
         if not self.plan.trigger.repeats() or self.scorer.observe.afresh_after_compaction():
             # Never needed again (once), or the next window starts afresh (recent).
             self.attention = [None] * self.num_layers

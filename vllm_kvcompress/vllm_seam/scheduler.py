@@ -119,8 +119,9 @@ class KVCompressScheduler(Scheduler):
                 self._kvc_failed.add(rid)
                 plan = None
             if plan is not None:
-                problem = (plan.allocation.cached_prefix_problem() or plan.merge.cached_prefix_problem()
-                           if cached else None) or self._merge_problem(plan.merge)
+                problem = self._merge_problem(plan.merge)
+                if cached:  # a protected start some parts cannot serve, reported first
+                    problem = plan.allocation.cached_prefix_problem() or plan.merge.cached_prefix_problem() or problem
                 if problem is not None:
                     logger.warning("kv_compress %s: runs uncompressed (%d prefix-cached tokens): %s", rid, cached,
                                    problem)
