@@ -145,12 +145,9 @@ class ReferenceDecoder:
 
     def generate(
         self, prompt: list[int], max_new_tokens: int, config: KVCompressConfig | None = None,
-        block_size: int = 32, cached_len: int = 0,
+        block_size: int = 32,
     ) -> dict:
         """Greedy tokens with the config's compression applied on the schedule's points (schedule.py).
-
-        `cached_len`: leading prompt tokens the engine served from its prefix
-        cache (the protected start; their queries are never observed).
 
         Returns tokens, the kept logical positions per compressed layer at the end, the
         physical cache length after every compression and the logical length
@@ -163,7 +160,7 @@ class ReferenceDecoder:
         # a group's layers share one length.
         num_compressed = len(self.compressed)
         group_of_layer = layer_groups(num_compressed, config.num_layer_groups)
-        resolved = resolve_plan(config, len(prompt), num_compressed, block_size, cached_len)
+        resolved = resolve_plan(config, len(prompt), num_compressed, block_size)
         plan = RequestSchedule.create(resolved, group_of_layer)
         state = None
         if resolved is not None:

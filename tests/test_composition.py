@@ -287,7 +287,7 @@ def test_selection_equals_the_plain_reimplementation(scorer, allocation, trigger
     drive(scorer, allocation, trigger, selection)
 
 
-CACHED = 40  # prompt tokens served from the prefix cache: the protected start
+PROTECTED = 40  # the request's protect_prefix: the protected start
 
 
 @pytest.mark.parametrize("scorer, allocation, trigger, selection", [
@@ -296,19 +296,20 @@ CACHED = 40  # prompt tokens served from the prefix cache: the protected start
     ("streamingllm", "uniform", "streamed", "top"), ("rkv", "uniform", "rolling", "top"),
     ("keyformer", "uniform", "decode", "top"),
 ])
-def test_prefix_cache_hits_are_a_protected_start(scorer, allocation, trigger, selection):
-    """Prompt tokens served from the prefix cache are kept whatever their score,
-    budgets count the tokens after them, and their queries are not observed."""
-    drive(scorer, allocation, trigger, selection, cached_len=CACHED)
+def test_protected_prefix_is_a_protected_start(scorer, allocation, trigger, selection):
+    """A request's protect_prefix is kept whatever its score, budgets count the
+    tokens after it, and its queries are not observed."""
+    drive(scorer, allocation, trigger, selection, protect_prefix=PROTECTED)
 
 
-def drive(scorer: str, allocation: str, trigger: str, selection: str, cached_len: int = 0) -> None:
-    config = KVCompressConfig.from_dict(config_for(scorer, allocation, trigger, selection))
-    plan = resolve_plan(config, PROMPT, NUM_LAYERS, BLOCK, cached_len=cached_len)
+def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_prefix: int = 0) -> None:
+    config = KVCompressConfig.from_dict({**config_for(scorer, allocation, trigger, selection),
+                                         "protect_prefix": protect_prefix})
+    plan = resolve_plan(config, PROMPT, NUM_LAYERS, BLOCK)
     state = RequestSchedule.create(plan, layer_groups(NUM_LAYERS, NUM_LAYERS))
     rc = RequestTokens(plan, NUM_LAYERS, HKV, HQ)
     observe = scorer in ATTENTION_SCORERS
-    protected_len = PROMPT if trigger == "decode" else cached_len  # the prompt is kept whole
+    protected_len = PROMPT if trigger == "decode" else protect_prefix  # the prompt is kept whole
     assert plan.protected_len == protected_len
     observed_at: list[int] = []
     # The naive side's own view: per layer and KV head, the cached positions

@@ -106,11 +106,6 @@ class Allocation(Component):
         (allocations whose `layer_budgets` are None), on the scores' device."""
         raise NotImplementedError(f"allocation {self.name!r} knows its budgets before the prompt runs")
 
-    def cached_prefix_problem(self) -> str | None:
-        """Why a request whose prompt starts with prefix-cache hits (a
-        protected start) cannot be compressed with this allocation (None: it can)."""
-        return None
-
     def select(self, scores: torch.Tensor, positions: torch.Tensor, *, slots: int, layer_budget: int, budget: int,
                protected: Callable[[int], tuple[int, int]], selection: Selection, shard: HeadShard) -> Selected:
         """The tokens a layer keeps in `slots` slots, from its [Hkv, T] scores.
@@ -217,10 +212,10 @@ class PerHead(Allocation):
         problems.insert(-1, (trigger.repeats(), "trigger",
                              f"allocation 'per_head' compresses once (per-head masks are not re-derived while "
                              f"rolling); use trigger 'once', not {trigger.name!r}"))
+        problems.append((bool(config.protect_prefix), "protect_prefix",
+                         "allocation 'per_head' lays each KV head's kept tokens out on its own, and a protected "
+                         "prefix stays whole in blocks other requests share; valid with it: 0"))
         return problems
-
-    def cached_prefix_problem(self) -> str | None:
-        return "allocation 'per_head' cannot keep a prefix-cache hit whole per head"
 
     def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> torch.Tensor:
         # A layer holds as many slots as its fullest head keeps.

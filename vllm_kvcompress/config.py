@@ -31,14 +31,16 @@ from .triggers import TRIGGERS
 
 CONFIG_KEY = "kv_compress"  # key inside vLLM's additional_config / extra_args
 COMMON_FIELDS = ("policy", "allocation", "trigger", "selection", "merge", "budget", "compression_ratio", "interval",
-                 "layer_groups")
+                 "protect_prefix", "layer_groups")
 COMPONENT_FIELDS = ("allocation", "trigger", "selection", "merge")  # replace the policy's own component
 ENGINE_FIELDS = ("layer_groups",)  # fixed at startup: a request cannot change them
 # Common fields other than `policy`, with their types (None when not given).
 _OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "selection": str, "merge": str, "budget": int,
-                                     "compression_ratio": float, "interval": int, "layer_groups": int}
+                                     "compression_ratio": float, "interval": int, "protect_prefix": int,
+                                     "layer_groups": int}
 # The common integer fields' ranges (component fields declare theirs in their metadata).
-_BOUNDS = {"budget": Bound(1, "tokens"), "interval": Bound(1, "tokens"), "layer_groups": Bound(1, "layers")}
+_BOUNDS = {"budget": Bound(1, "tokens"), "interval": Bound(1, "tokens"), "protect_prefix": Bound(0, "tokens"),
+           "layer_groups": Bound(1, "layers")}
 _CHOICES: dict[str, Mapping[str, type]] = {"allocation": ALLOCATIONS, "trigger": TRIGGERS, "selection": SELECTIONS,
                                            "merge": MERGES}
 _COMPONENT_REGISTRIES = (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS, MERGES)
@@ -134,6 +136,12 @@ class KVCompressConfig:
     # Rolling triggers evict again once the cache has grown by this many tokens
     # past the budget; None means one KV block (each eviction frees a block).
     interval: int | None = None
+    # Leading prompt tokens never evicted (a shared system prompt or
+    # document): their blocks stay whole and shared through the prefix
+    # cache, and the budget counts the tokens after them. An engine's value
+    # protects at most a request's whole prompt; a request's own may not
+    # exceed its prompt (checked where the prompt is known).
+    protect_prefix: int | None = None
     # Engine setting: KV cache groups the layers are split into (contiguous
     # tiers of equal size), each with its own block table, so layers with
     # different budgets free their own blocks. None: one group.
@@ -240,7 +248,7 @@ class KVCompressConfig:
         if policy is None or policy == "none":
             base = {}  # off: nothing to inherit
         elif policy != self.policy:
-            base = {k: base[k] for k in ("budget", "compression_ratio", "interval") if k in base}
+            base = {k: base[k] for k in ("budget", "compression_ratio", "interval", "protect_prefix") if k in base}
         elif any(k in overrides for k in COMPONENT_FIELDS):
             names = []
             for name in COMPONENT_FIELDS:
@@ -282,9 +290,12 @@ class KVCompressConfig:
             raise _fail("compression_ratio", f"must be in [0, 1), got {self.compression_ratio}")
         if self.budget is not None and self.budget < 1:
             raise _fail("budget", f"must be >= 1 token, got {self.budget}")
+        if self.protect_prefix is not None and self.protect_prefix < 0:
+            raise _fail("protect_prefix", f"must be >= 0 tokens, got {self.protect_prefix}")
         if parts is None:
-            if self.budget is not None or self.compression_ratio is not None:
-                raise _fail("policy", "a budget or compression_ratio needs a policy other than 'none'")
+            if self.budget is not None or self.compression_ratio is not None or self.protect_prefix:
+                raise _fail("policy", "a budget, compression_ratio or protect_prefix needs a policy other than "
+                                      "'none'")
             return
         # Each part states what it cannot serve beside the others.
         for part in (parts.scorer, parts.trigger, parts.allocation, parts.merge, parts.selection):

@@ -61,10 +61,6 @@ class Merge(Component):
         """Slots the upper layer of a pair of `num_tokens` tokens holds."""
         return num_tokens
 
-    def cached_prefix_problem(self) -> str | None:
-        """Why a request whose prompt starts with prefix-cache hits cannot be merged (None: it can)."""
-        return f"merge {self.name!r}: prefix-cached tokens cannot be rewritten" if self.merges else None
-
     def merge_pair(self, lower: KV, upper: KV) -> tuple[MergedTensor, MergedTensor]:
         """Merge a pair's keys and values ([Hkv, T, D] each, the same tokens in the same order)."""
         raise NotImplementedError(f"merge {self.name!r} merges nothing")
@@ -124,7 +120,10 @@ class MiniCache(Merge):
              f"valid with it: ['uniform'], not {parts.allocation.name!r}"),
             (config.num_layer_groups == 1, "layer_groups",
              f"merge {self.name!r} gives the upper layer of each merged pair its own, smaller block table: start "
-             f"the engine with --kv-compress-layer-groups set to the number of layers (one group each)"))
+             f"the engine with --kv-compress-layer-groups set to the number of layers (one group each)"),
+            (bool(config.protect_prefix), "protect_prefix",
+             f"merge {self.name!r} rewrites every token of a merged pair, and a protected prefix stays whole in "
+             f"blocks other requests share; valid with it: 0"))
 
     def first_layer(self, num_layers: int) -> int:
         return num_layers // 2 if self.start_layer == -1 else self.start_layer

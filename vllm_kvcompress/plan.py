@@ -33,9 +33,9 @@ class CompressionPlan:
     layer_budgets: tuple[int, ...]
     interval: int  # rolling triggers evict again after this many new tokens
     # The protected start: tokens at logical positions below it are never
-    # evicted, and the budgets count the tokens after it. The prompt's tokens
-    # served from vLLM's prefix cache (their blocks may be shared, so they are
-    # never rewritten), or the whole prompt under a trigger that keeps it.
+    # evicted, and the budgets count the tokens after it: the request's
+    # `protect_prefix` (its blocks are never rewritten, so they stay shared
+    # through the prefix cache), or the whole prompt under a trigger that keeps it.
     protected_len: int = 0
     # Merged pairs' upper layers hold `merge.retained(kept)` slots (their layer
     # budgets here); their attention reads the lower layer's slots.
@@ -48,16 +48,19 @@ class CompressionPlan:
     budgets_after_prompt: bool = False
 
 
-def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int, block_size: int,
-                 cached_len: int = 0) -> CompressionPlan | None:
+def resolve_plan(config: KVCompressConfig, prompt_len: int, num_layers: int,
+                 block_size: int) -> CompressionPlan | None:
     """The plan of a request with this config and prompt; None when compression is off.
 
-    `cached_len`: leading prompt tokens vLLM's prefix cache served (protected).
+    A function of the prompt's length and the settings alone, never of what
+    vLLM's prefix cache holds: the scheduler caps a request's prefix-cache
+    hit instead (`RequestSchedule.longest_prefix_hit`), so a hit saves
+    prefill compute and never changes the tokens kept.
     """
     parts = config.components()
     if parts is None:
         return None
-    protected = max(cached_len, parts.trigger.protected_len(prompt_len))
+    protected = max(min(config.protect_prefix or 0, prompt_len), parts.trigger.protected_len(prompt_len))
     min_budget = parts.scorer.min_budget()
     # A compression_ratio applies to the part of the prompt that may be compressed.
     compressible = None if parts.trigger.protected_len(prompt_len) else prompt_len - protected

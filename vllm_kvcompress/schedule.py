@@ -146,6 +146,28 @@ class RequestSchedule:
         room = min(b + e + self.plan.interval for b, e in zip(self.budgets, self.num_evicted))
         return max(room, logical_len) if trigger.repeats() else None
 
+    def longest_prefix_hit(self) -> int | None:
+        """Most leading tokens the request may take from vLLM's prefix cache
+        (None: any number), so that the hit never changes what it keeps.
+
+        A hit's tokens are never computed by the request: their keys and
+        values come from the cache, and their queries are never observed. So
+        a hit ends where the request first compresses (a cached block holds
+        keys computed from an uncompressed context), and at the first query
+        its scorer observes, unless that query is in the protected start
+        (which attends only protected keys: nothing to learn from it).
+        Called on a request not yet computing (its state as created).
+        """
+        if self.plan is None or self.budgets is None:
+            return None
+        first_due = self.next_due(0)
+        if first_due is None:  # never compresses: any hit serves
+            return None
+        scorer = self.plan.scorer
+        observed = (scorer.observe.first_query(self.plan.prompt_len, scorer.window_queries(), first_due)
+                    if scorer.observe.attends() else first_due)
+        return min(first_due, max(self.plan.protected_len, observed))
+
     def max_physical(self, total_len: int) -> int | None:
         """Most tokens the request holds while computing its first `total_len`
         tokens, for admission (None: all of them, as vLLM assumes).

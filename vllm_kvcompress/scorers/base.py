@@ -48,6 +48,13 @@ class Observes:
         compression happens (None: none will)."""
         return torch.ones_like(q_positions, dtype=torch.bool)
 
+    def first_query(self, prompt_len: int, window: int, first_due: int) -> int:
+        """The lowest logical position whose query it may observe on the way
+        to a request's first compression, at logical length `first_due`: a
+        prefix-cache hit must end there, so that the request computes every
+        query it observes (a hit's queries are never computed)."""
+        return 0
+
     def reduce(self, probs: torch.Tensor) -> torch.Tensor:
         """[Hq, n, T] probabilities of the observed queries -> the step's [Hq, T]."""
         return probs.sum(dim=1)
@@ -74,6 +81,9 @@ class ObservesNothing(Observes):
     def queries(self, q_positions, prompt_len, window, next_due):
         return torch.zeros_like(q_positions, dtype=torch.bool)
 
+    def first_query(self, prompt_len, window, first_due):
+        return first_due
+
 
 class ObservesWindow(Observes):
     value = "window"  # the last `window` prompt queries (SnapKV family)
@@ -83,6 +93,9 @@ class ObservesWindow(Observes):
 
     def queries(self, q_positions, prompt_len, window, next_due):
         return (q_positions >= prompt_len - window) & (q_positions < prompt_len)
+
+    def first_query(self, prompt_len, window, first_due):
+        return max(prompt_len - window, 0)
 
 
 class ObservesAll(Observes):
@@ -96,6 +109,9 @@ class ObservesLast(Observes):
         mask = torch.zeros_like(q_positions, dtype=torch.bool)
         mask[-1] = True
         return mask
+
+    def first_query(self, prompt_len, window, first_due):
+        return max(first_due - 1, 0)  # each step's last query replaces the one before
 
     def reduce(self, probs: torch.Tensor) -> torch.Tensor:
         return probs[:, -1]
@@ -116,6 +132,9 @@ class ObservesRecent(Observes):
         if next_due is None:
             return torch.zeros_like(q_positions, dtype=torch.bool)
         return (q_positions >= next_due - window) & (q_positions < next_due)
+
+    def first_query(self, prompt_len, window, first_due):
+        return max(first_due - window, 0)
 
     def afresh_after_compaction(self) -> bool:
         return True
@@ -151,8 +170,9 @@ class Observation:
     # keys make the worker gather them.
     keys: torch.Tensor | None = None
     key_loader: Callable[[], torch.Tensor] | None = None
-    # Tokens at logical positions below this are the protected start (prefix
-    # cache hits, or the prompt under trigger 'decode'): kept whatever their score.
+    # Tokens at logical positions below this are the protected start (the
+    # request's `protect_prefix`, or the prompt under trigger 'decode'): kept
+    # whatever their score.
     protected_len: int = 0
 
     def cached_keys(self) -> torch.Tensor:

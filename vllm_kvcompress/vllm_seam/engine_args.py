@@ -51,6 +51,9 @@ _COMMON_OPTIONS = {
     "budget": ("budget", int, "tokens kept per (layer, KV head), protected tokens included"),
     "ratio": ("compression_ratio", float, "fraction of the prompt removed, in [0, 1) (kvpress convention)"),
     "interval": ("interval", int, "rolling policies evict again after this many new tokens (default: one KV block)"),
+    "protect-prefix": ("protect_prefix", int, "leading prompt tokens never evicted (a system prompt or document "
+                       "many requests share: its blocks stay shared through the prefix cache; at most a request's "
+                       "prompt) (default: 0)"),
     "layer-groups": ("layer_groups", int, "KV cache groups the layers are split into, each with its own block "
                      "table (the number of layers, or a divisor: contiguous tiers); needed by per-layer budgets "
                      "(pyramid, adaptive and retrieval allocations) to free memory per layer, and one per layer by "
@@ -335,24 +338,25 @@ def wrap_create_engine_config(original):
 # ---------------------------------------------------------------- per request
 
 
-def wrap_validate_params(original):
-    """Check a request's `extra_args["kv_compress"]` where vLLM checks its params.
+def wrap_process_inputs(original):
+    """Check a request's `extra_args["kv_compress"]` where vLLM checks its inputs.
 
     A bad value then fails that request (HTTP 400 from the server, an exception
     from LLM.generate) instead of the engine core, which would take every other
-    request down with it.
+    request down with it. After vLLM's own processing, which knows the
+    prompt's length (a request's `protect_prefix` may not exceed it).
     """
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    def _validate_params(self, params, *args, **kwargs):
-        result = original(self, params, *args, **kwargs)
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        request = original(self, request_id, prompt, params, *args, **kwargs)
         if not isinstance(params, SamplingParams):
-            return result
+            return request
         try:
             overrides = request_overrides(params.extra_args)
             if overrides is None:
-                return result
+                return request
             limits = self.__dict__.get("_kv_compress_limits")
             if limits is None:
                 limits = self._kv_compress_limits = engine_limits(self.vllm_config)
@@ -361,12 +365,18 @@ def wrap_validate_params(original):
                 raise KVCompressConfigError(
                     "kv_compress: this engine was started without kv_compress; start it with "
                     "--kv-compress POLICY (or --kv-compress none) to allow per-request compression")
-            KVCompressConfig.from_dict(engine).merged(overrides, limits=limits)
+            config = KVCompressConfig.from_dict(engine).merged(overrides, limits=limits)
+            prompt_len = (len(request.prompt_token_ids) if request.prompt_token_ids is not None
+                          else len(request.prompt_embeds))
+            if overrides.get("protect_prefix") is not None and config.protect_prefix > prompt_len:
+                raise KVCompressConfigError(
+                    f"{CONFIG_KEY}.protect_prefix: {config.protect_prefix} is longer than the prompt "
+                    f"({prompt_len} tokens); valid values: 0 .. {prompt_len}")
         except KVCompressConfigError as e:
             raise VLLMValidationError(str(e), parameter=CONFIG_KEY) from None
-        return result
+        return request
 
-    return _validate_params
+    return process_inputs
 
 
 def wrap_openai_handler(original):

@@ -11,7 +11,8 @@ Subclasses that vLLM instantiates for us (not patches):
     installed through `scheduler_cls` only when compression is configured;
     overrides `schedule` (plan compressions first), `update_from_output` (take
     the layer budgets a worker derived from attention), `_reserve_prefill_lookahead`
-    (end a streamed prompt's chunk at its next eviction) and
+    (end a streamed prompt's chunk at its next eviction), `_get_local_prefix_cache_hit`
+    (cap a prefix-cache hit where it would change what the request keeps) and
     `_free_request_blocks` (where finish, abort and preemption drop the state).
   - vllm.v1.kv_cache_interface.FullAttentionSpec and
     vllm.v1.core.single_type_kv_cache_manager.FullAttentionManager ->
@@ -64,7 +65,7 @@ vllm.engine.arg_utils | AsyncEngineArgs | __init__ | engine_args.wrap_init | met
     | same for the async engine's arguments (a dataclass with its own __init__)
 vllm.engine.arg_utils | EngineArgs | create_engine_config | engine_args.wrap_create_engine_config | method
     | validate the config and refuse or make safe what compression cannot serve
-vllm.v1.engine.input_processor | InputProcessor | _validate_params | engine_args.wrap_validate_params | method
+vllm.v1.engine.input_processor | InputProcessor | process_inputs | engine_args.wrap_process_inputs | method
     | reject a bad per-request extra_args['kv_compress'] before it reaches the engine core
 vllm.entrypoints.openai.completion.serving | OpenAIServingCompletion | create_completion
     | engine_args.wrap_openai_handler | method

@@ -7,10 +7,13 @@ follows the *physical* length. The step's plan rides to the workers as an
 attribute of SchedulerOutput (a pickled dataclass); the workers compact the
 cache before anything is written to the freed blocks.
 
-Prefix caching: the prompt tokens a request gets from the prefix cache are
-its protected start (never evicted; its blocks may be shared). A request is
-planned when vLLM has looked up its hit; a preempted request replays its
-first life with that life's protected start, and takes no longer hit.
+Prefix caching never changes what a request keeps: its plan is made from
+its prompt and settings alone, and its prefix-cache hit is capped so that the
+request computes every query its scorer observes and every token from its
+first compression on (`RequestSchedule.longest_prefix_hit`). Hit tokens are
+compressible like any other; compaction copies the kept ones into the
+request's own fresh blocks (block_manager.py), leaving the cached originals
+whole for the next request or turn.
 """
 
 from __future__ import annotations
@@ -53,10 +56,6 @@ class KVCompressScheduler(Scheduler):
         self.kvc_group_of_layer = list(self.kvc_layers.group_of_layer)
         self.kvc_block_size = groups[self.kvc_layers.vllm_groups[0]].kv_cache_spec.block_size
         self.kvc_states: dict[str, RequestSchedule] = {}
-        # Prompt tokens served from the prefix cache when each request was
-        # first scheduled (its protected start, kept across preemptions).
-        self._kvc_cached: dict[str, int] = {}
-        self._kvc_pending_cached: dict[str, int] = {}  # the hit its current plan was made with
         self.kvc_stats = CompressionStats(
             total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1,
             kv_cache_groups=tuple("compressed" if g in self.kvc_layers.vllm_groups else _kind(group.kv_cache_spec)
@@ -88,18 +87,10 @@ class KVCompressScheduler(Scheduler):
 
     # ---------------------------------------------------------------- steps
 
-    def _request_state(self, request, cached_len: int | None = None) -> RequestSchedule:
-        """The request's compression state, created on first use.
-
-        `cached_len`: the prefix-cache hit of a request not yet running (vLLM
-        looks it up at every scheduling attempt: the plan follows the latest).
-        """
+    def _request_state(self, request) -> RequestSchedule:
+        """The request's compression state, created on first use."""
         rid = request.request_id
         state = self.kvc_states.get(rid)
-        if cached_len is not None and rid in self._kvc_cached:
-            cached_len = self._kvc_cached[rid]  # a resumed request: its first life's
-        if state is not None and cached_len is not None and self._kvc_pending_cached.get(rid) != cached_len:
-            state = None  # planned at an earlier attempt with another hit
         if state is None:
             params = request.sampling_params
             # Validated in the front end (InputProcessor) already.
@@ -109,10 +100,9 @@ class KVCompressScheduler(Scheduler):
             # (preempted) request gets its first life's plan (same prompt) and
             # recomputes prompt and outputs in chunks that end at its first
             # life's compression points (`tokens_until_due`): same tokens kept.
-            cached = cached_len or 0
             try:
                 plan = resolve_plan(config, request.num_prompt_tokens, len(self.kvc_group_of_layer),
-                                    self.kvc_block_size, cached_len=cached)
+                                    self.kvc_block_size)
             except Exception as e:  # noqa: BLE001 - one request's plan, never the engine
                 # It runs uncompressed until this step's output, then finishes with an error.
                 log_failure(rid, "planning", e)
@@ -120,13 +110,9 @@ class KVCompressScheduler(Scheduler):
                 plan = None
             if plan is not None:
                 problem = self._merge_problem(plan.merge)
-                if cached:  # a protected start some parts cannot serve, reported first
-                    problem = plan.allocation.cached_prefix_problem() or plan.merge.cached_prefix_problem() or problem
                 if problem is not None:
-                    logger.warning("kv_compress %s: runs uncompressed (%d prefix-cached tokens): %s", rid, cached,
-                                   problem)
+                    logger.warning("kv_compress %s: runs uncompressed: %s", rid, problem)
                     plan = None
-            self._kvc_pending_cached[rid] = cached
             state = RequestSchedule.create(plan, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
             cap = state.max_physical(request.num_tokens)
@@ -195,7 +181,6 @@ class KVCompressScheduler(Scheduler):
         # them: the workers observe prompt queries from the first chunk on.
         for rid in output.num_scheduled_tokens:
             self._request_state(self.requests[rid])
-            self._kvc_cached.setdefault(rid, self._kvc_pending_cached.get(rid, 0))
         # A request preempted in this step already gave back all its blocks;
         # its state (and any op) is gone.
         ops = [op for op in ops if op.request_id in self.kvc_states]
@@ -246,11 +231,10 @@ class KVCompressScheduler(Scheduler):
 
     def _get_local_prefix_cache_hit(self, request):
         hit = super()._get_local_prefix_cache_hit(request)
-        cap = self._kvc_cached.get(request.request_id)
+        cap = self._request_state(request).longest_prefix_hit()
         if cap is None or hit[1] <= cap:
             return hit
-        # A resumed request takes no longer a hit than its first life got: the
-        # tokens after that were computed (and observed) then.
+        # A shorter hit, found as vLLM's `get_computed_blocks` finds its own.
         manager = self.kv_cache_manager
         blocks, num_tokens, num_uncached = manager.coordinator.find_longest_cache_hit(request.block_hashes, cap)
         return manager.create_kv_cache_blocks(blocks), num_tokens, num_tokens + num_uncached if num_uncached else 0, \
@@ -260,9 +244,7 @@ class KVCompressScheduler(Scheduler):
         # vLLM's last word on a request's chunk (running and waiting alike): a
         # chunk ends where the request's next compression is due.
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        # A request not running yet: `num_computed_tokens` is its prefix-cache hit.
-        cached = None if request.status == RequestStatus.RUNNING else num_computed_tokens
-        cap = self._request_state(request, cached).tokens_until_due(num_computed_tokens)
+        cap = self._request_state(request).tokens_until_due(num_computed_tokens)
         return num_new_tokens if cap is None else min(num_new_tokens, cap)
 
     def _write_snapshot(self) -> None:
@@ -280,10 +262,7 @@ class KVCompressScheduler(Scheduler):
         super()._free_request_blocks(request)
         self.kvc_states.pop(request.request_id, None)
         self._kvc_started.pop(request.request_id, None)
-        self._kvc_pending_cached.pop(request.request_id, None)
         preempted = not request.is_finished()
-        if not preempted:
-            self._kvc_cached.pop(request.request_id, None)
         r = self.kvc_stats.finish(request.request_id, preempted=preempted, blocks_held=held)
         if r is not None and r.compressions and not preempted:
             self._kvc_ratios.observe(r.tokens_evicted / (r.tokens_evicted + r.tokens_kept))
