@@ -103,7 +103,8 @@ def test_prefix_cached_requests_survive_preemption(start_engine, tiny_model, ref
     preempted = {k.split("#")[0] for k in stats["requests"] if "#preempted" in k}
     assert any(r["finished"] for k, r in stats["requests"].items() if k in preempted)
     for prompt, config, (tokens, cached) in zip(prompts, configs, got):
-        want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=BLOCK_SIZE)["tokens"]
+        want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config),
+                                  block_size=BLOCK_SIZE)["tokens"]
         assert tokens == want, f"{config} hit {cached}"
 
 

@@ -25,8 +25,8 @@ PARALLEL = {"tp1": [], "tp2": ["--tensor-parallel-size", "2"], "dp2": ["--data-p
 
 @pytest.fixture(scope="module", params=sorted(PARALLEL))
 def server(request, tiny_model, tmp_path_factory):
-    # Prefix caching on (vLLM's default): a repeated prompt hits it, and its
-    # hit (reported in the usage) is the protected start.
+    # Prefix caching on (vLLM's default): a repeated prompt hits it (reported
+    # in the usage), and its answer is the same.
     srv = Server(tiny_model, "--kv-compress", "snapkv", "--kv-compress-budget", "64", "--max-num-seqs", "8",
                  "--enable-prompt-tokens-details", *PARALLEL[request.param],
                  log=tmp_path_factory.mktemp("serve") / "serve.log",
@@ -110,6 +110,9 @@ def test_per_request_control_through_vllm_xargs(server, tiny_model):
     ({"kv_compress": "h2o", "kv_compress_budget": 64, "kv_compress_pooling": "avg"}, "kv_compress.pooling"),
     ({"kv_compress": "wat"}, "kv_compress.policy"),
     ({"kv_compress_ratio": 1.5}, "kv_compress.compression_ratio"),
+    ({"kv_compress_protect_prefix": -1}, "kv_compress.protect_prefix"),
+    ({"kv_compress_protect_prefix": "all"}, "kv_compress.protect_prefix"),
+    ({"kv_compress_protect_prefix": 4}, "kv_compress.protect_prefix: 4 is longer than the prompt (3 tokens)"),
 ])
 def test_invalid_per_request_values_are_400_and_the_server_keeps_serving(server, xargs, field):
     bad = complete(server, [5, 6, 7], vllm_xargs=xargs)

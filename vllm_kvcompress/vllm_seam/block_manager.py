@@ -140,7 +140,7 @@ class CompressedAttentionManager(FullAttentionManager):
         return blocks[protected_len // self.block_size: cdiv(physical_len, self.block_size)]
 
     def release_evicted(self, request_id: str, logical_len: int, physical_len: int, protected_len: int,
-                        copy: bool) -> ReleasedBlocks:
+                        copy: bool, to_free: list[KVCacheBlock] | None = None) -> ReleasedBlocks:
         """Keep the blocks of `physical_len` tokens, give the rest back to the pool.
 
         `copy` (`copies_needed` > 0): the blocks from the protected start's on
@@ -149,6 +149,13 @@ class CompressedAttentionManager(FullAttentionManager):
         cache). Otherwise the kept tokens are compacted in place into the
         leading blocks, before the step writes anything, so the tail may go
         to another request this very step.
+
+        `to_free`: released blocks go there instead of to the pool, for the
+        caller to free once every compaction of the step has its fresh
+        blocks. The worker reads a compaction's originals while it writes
+        others' fresh blocks (layer by layer, and the layers of all KV cache
+        groups share the pool's block ids): a block released in this step
+        must not be another compaction's fresh block.
         """
         blocks = self.req_to_blocks.get(request_id, [])
         first = protected_len // self.block_size
@@ -168,7 +175,10 @@ class CompressedAttentionManager(FullAttentionManager):
             del blocks[keep:]
         # Tail first, as vLLM's own free does: the most recent blocks are the
         # first to be reused.
-        self.block_pool.free_blocks(reversed(released))
+        if to_free is None:
+            self.block_pool.free_blocks(reversed(released))
+        else:
+            to_free.extend(reversed(released))
         self.num_evicted[request_id] = logical_len - physical_len
         self.cacheable[request_id] = first * self.block_size  # the protected start is fixed per request
         return ReleasedBlocks(freed=len(released) - (0 if copied is None else len(copied.fresh_blocks)),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -66,6 +67,9 @@ class KVCompressScheduler(Scheduler):
         # before the step was scheduled wait there for their error output.
         self._kvc_failed: set[str] = set()
         self._kvc_errors: list[tuple[str, int]] = []
+        # Preempted for room to copy (`_plan_compression`): not resumed in the
+        # step that preempted them, as vLLM resumes none of its own.
+        self._kvc_held_back: set[str] = set()
         self._kvc_snapshot = SnapshotWriter("scheduler")
         self._kvc_ratios = RatioHistogram()  # finished compressed requests, for /metrics
         managers = self.kv_cache_manager.coordinator.single_type_managers
@@ -134,9 +138,12 @@ class KVCompressScheduler(Scheduler):
 
     def _plan_compressions(self) -> list[Compaction]:
         ops = []
+        # Blocks the step's compactions release, freed once all of them have
+        # their fresh blocks (`release_evicted`).
+        released: list = []
         for request in list(self.running):
             try:
-                op = self._plan_compression(request)
+                op = self._plan_compression(request, released)
             except Exception as e:  # noqa: BLE001 - one request's compaction, never the engine
                 # Its blocks may be half compacted: it leaves before this step is scheduled.
                 log_failure(request.request_id, "compaction planning", e)
@@ -145,38 +152,46 @@ class KVCompressScheduler(Scheduler):
                 continue
             if op is not None:
                 ops.append(op)
+        self.kv_cache_manager.block_pool.free_blocks(released)
         return ops
 
-    def _plan_compression(self, request) -> Compaction | None:
+    def _plan_compression(self, request, released: list) -> Compaction | None:
         """The request's compaction in this step (None: none is due)."""
         pool = self.kv_cache_manager.block_pool
         rid = request.request_id
         state = self._request_state(request)
         logical = request.num_computed_tokens
-        prefill_checked = state.prefill_checked
         targets = state.next_compression(logical)
         if targets is None:
             return None
         protected = state.plan.protected_len if state.plan is not None else 0
         copies = [m.copies_needed(rid, t, protected) for m, t in zip(self._kvc_managers, targets)]
         if None in copies or sum(c or 0 for c in copies) > pool.get_num_free_blocks():
-            # Blocks shared through the prefix cache, and no room to copy
-            # them: the compaction waits for the next step.
-            state.prefill_checked = prefill_checked
-            logger.warning("kv_compress %s: compaction postponed: its blocks are in the prefix cache and "
-                           "the pool has no room to copy them", rid)
+            # Its blocks are shared through the prefix cache and the pool has
+            # no room to copy the kept tokens. Decoding on uncompressed would
+            # move its compression points (other tokens kept): it is preempted
+            # instead, and replays exactly (preemption keeps answers) once
+            # there is room, its own blocks freed for the others meanwhile.
+            logger.warning("kv_compress %s: preempted: its blocks are shared through the prefix cache and the pool "
+                           "has no room to copy the tokens its compaction keeps", rid)
+            self.running.remove(request)
+            self._preempt_request(request, time.monotonic())
+            self._kvc_held_back.add(rid)
             return None
         old = state.physical(logical)
-        released = [manager.release_evicted(rid, logical, target, protected, bool(copy))
-                    for manager, target, copy in zip(self._kvc_managers, targets, copies)]
+        done = [manager.release_evicted(rid, logical, target, protected, bool(copy), released)
+                for manager, target, copy in zip(self._kvc_managers, targets, copies)]
         state.commit(logical, targets)
-        self.kvc_stats.compressed(rid, old, targets, sum(r.freed for r in released), sum(r.held for r in released))
-        copied = tuple(r.copy for r in released)
+        self.kvc_stats.compressed(rid, old, targets, sum(r.freed for r in done), sum(r.held for r in done))
+        copied = tuple(r.copy for r in done)
         return Compaction(rid, old, targets, copied if any(copied) else ())
 
     def schedule(self, *args, **kwargs):
         ops = self._plan_compressions()
-        output = super().schedule(*args, **kwargs)
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self._kvc_held_back.clear()
         # New and resumed requests get their state in the step that prefills
         # them: the workers observe prompt queries from the first chunk on.
         for rid in output.num_scheduled_tokens:
@@ -244,6 +259,8 @@ class KVCompressScheduler(Scheduler):
         # vLLM's last word on a request's chunk (running and waiting alike): a
         # chunk ends where the request's next compression is due.
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        if request.request_id in self._kvc_held_back:
+            return 0  # waiting: no other waiting request is admitted this step either
         cap = self._request_state(request).tokens_until_due(num_computed_tokens)
         return num_new_tokens if cap is None else min(num_new_tokens, cap)
 
