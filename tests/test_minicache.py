@@ -248,8 +248,9 @@ def test_bad_merge_configs_name_the_field(config, field):
 def test_prefix_caching_merged_blocks_are_never_hits(start_engine, tiny_model, reference):
     """With prefix caching on, a merged request rewrites its blocks: none of
     them may serve a later request with the same prompt (which must then give
-    the plain answer); a merged request that hits the prefix cache runs
-    uncompressed (merging would rewrite shared blocks)."""
+    the plain answer); a merged request that hits the prefix cache merges a
+    copy of the hit and answers as it did cold (the shared originals stay
+    whole: the plain request after it hits them and answers the same)."""
     engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", enable_prefix_caching=True,
                                           kv_compress_layer_groups=NUM_LAYERS))
     prompt, other = random_prompts((256, 200), seed=73)
@@ -261,9 +262,10 @@ def test_prefix_caching_merged_blocks_are_never_hits(start_engine, tiny_model, r
     assert first == reference.generate(prompt, NEW_TOKENS, cfg, block_size=BLOCK_SIZE)["tokens"]
     ((again, hit),) = engine.generate_with_hits([prompt], NEW_TOKENS)
     assert again == reference.generate(prompt, NEW_TOKENS, None, block_size=BLOCK_SIZE)["tokens"]
-    # The unmerged run cached the prompt; a merged request hitting it runs as it.
+    # The unmerged run cached the prompt; a merged request hitting it merges as cold.
     ((hitting, hit),) = engine.generate_with_hits([prompt], NEW_TOKENS, [merged])
-    assert hit > 0 and hitting == again
+    assert hit > 0 and hitting == first
+    assert engine.generate_with_hits([prompt], NEW_TOKENS) == [(again, hit)]
     assert engine.generate_with_hits([other], NEW_TOKENS)[0][0] == plain
 
 

@@ -78,18 +78,16 @@ def test_every_policy_survives_preemption(start_engine, tiny_model, reference):
 
 
 def test_prefix_cached_requests_survive_preemption(start_engine, tiny_model, reference):
-    """With prefix caching on, requests share a system prompt (their hit is the
-    protected start); a preempted one replays its first life with that life's
-    hit (its resumed prefill may not take a longer one) and equals the
-    reference that protects it."""
+    """With prefix caching on, requests share a system prompt (hits as long as
+    each policy allows); a preempted one replays its first life, and each
+    equals the reference run cold and alone."""
     engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", num_gpu_blocks_override=NUM_BLOCKS,
                                           enable_prefix_caching=True))
     system = random_prompts((96,), seed=80)[0]
     fillers = random_prompts([220] * FILLERS, seed=81)
-    # The first to compute the system prompt is an uncompressed filler: a
-    # compressed request whose own rewritten blocks others share must copy
-    # them, and under this pressure it would wait a step for room (logged,
-    # docs/deployment.md, prefix caching), off the reference's schedule.
+    # The first to compute the system prompt is an uncompressed filler; the
+    # compressed ones copy what they keep of the shared blocks, and one with
+    # no room to copy is preempted (and replays exactly).
     fillers[0] = system + fillers[0][len(system):]
     prompts = [system + p for p in random_prompts([90 + 7 * i for i in range(6)], seed=82)]
     configs = [{"policy": "h2o", "budget": 64}, {"policy": "snapkv", "budget": 64, "window": 8},
@@ -99,6 +97,7 @@ def test_prefix_cached_requests_survive_preemption(start_engine, tiny_model, ref
     got = engine.generate_with_hits(fillers + prompts, NEW_TOKENS, [None] * FILLERS + configs)[FILLERS:]
     stats = engine.stats()
     assert stats["preemptions"] > before, "the cache was meant to be too small"
+    # All but h2o (a scorer of every prompt query: no hit) hit the system prompt.
     assert sum(cached >= len(system) for _, cached in got) >= len(prompts) - 1
     preempted = {k.split("#")[0] for k in stats["requests"] if "#preempted" in k}
     assert any(r["finished"] for k, r in stats["requests"].items() if k in preempted)
