@@ -86,7 +86,8 @@ def test_completion_chat_and_streaming(server, tiny_model):
               if line.startswith("data: ") and line != "data: [DONE]"]
     usage = next(c["usage"] for c in chunks if c.get("usage"))
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    assert cached_tokens(usage) > 0, usage
+    if server.parallel != "dp2":  # under data parallelism it may go to the other engine
+        assert cached_tokens(usage) > 0, usage
     assert text == want
     chat = requests.post(server.url + "/v1/chat/completions", timeout=TIMEOUT, json={
         "model": server.model, "max_tokens": 12, "temperature": 0,

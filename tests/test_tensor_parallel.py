@@ -4,9 +4,9 @@ A tiny Llama with 4 KV heads (2 per rank, so per-head budgets really differ
 within a rank) on TP=2 (one CPU core per rank, vLLM's multiprocessing
 executor) against TP=1: the same greedy tokens, the same tokens evicted and
 blocks freed per request, for every policy and composition, with per-layer KV
-cache groups; on TP=2 also the reference decoder's tokens. The TP=2 engine has
-a small cache, so requests are preempted (and one is aborted) on the way; the
-pool is whole afterwards.
+cache groups; on TP=2 also the reference decoder's tokens, and with prefix-cache
+hits. The TP=2 engine has a small cache, so requests are preempted (and one is
+aborted) on the way; the pool is whole afterwards.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def tp2(model):
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: step by step
         engine = Engine(**engine_kwargs(model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS,
                                         tensor_parallel_size=2, distributed_executor_backend="mp",
-                                        num_gpu_blocks_override=44 * NUM_LAYERS))
+                                        num_gpu_blocks_override=44 * NUM_LAYERS, enable_prefix_caching=True))
         yield engine
         engine.close()
     vllm.envs.disable_envs_cache()
@@ -92,6 +92,18 @@ def test_tensor_parallel_equals_one_device(tp1, tp2, model):
                 (tuple(r1["tokens_kept_per_group"]), r1["compressions"]), config
     end = tp2.stats()
     assert end["free_blocks"] == end["total_blocks"]
+
+
+def test_prefix_cache_hits_on_two_ranks(tp1, tp2):
+    """Prompts sent again on TP=2 hit its prefix cache, compress the hit on
+    both ranks and answer as TP=1 (prefix caching off) does cold."""
+    configs = [CONFIGS[0], CONFIGS[7], CONFIGS[12], CONFIGS[2]]  # snapkv, adakv, span carry, tova
+    prompts = random_prompts([200, 215, 230, 245], seed=84)
+    want = tp1.generate(prompts, NEW_TOKENS, configs)
+    first = tp2.generate_with_hits(prompts, NEW_TOKENS, configs)
+    again = tp2.generate_with_hits(prompts, NEW_TOKENS, configs)
+    assert all(hit >= 128 for _, hit in again), [hit for _, hit in again]
+    assert [t for t, _ in first] == want == [t for t, _ in again]
 
 
 def test_abort_and_preemption_leave_the_pool_whole(tp2):
