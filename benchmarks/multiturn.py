@@ -22,9 +22,10 @@ Two measurements, one engine each, prefix caching on (vLLM's default):
   over the conversations, like the quality tables.
 
 Settings: the recommended `snapkv-span` at kept 1/4 (compression_ratio 0.75)
-and recipes/snapkv-retrieval.yaml at kept 1/8 (its engine settings: one KV
-cache group per layer and the SmolLM2-135M profile). The engine starts with
-the 1/8 recipe; requests switch policy through `vllm_xargs`.
+and at kept 1/8 recipes/snapkv-retrieval.yaml (its engine settings: one KV
+cache group per layer and the SmolLM2-135M profile; the engine starts with it
+and requests switch policy through `vllm_xargs`), or on another model
+(`--model`, no retrieval profile) snapkv-span at compression_ratio 0.875.
 
     python benchmarks/multiturn.py --memory --conversations 2 --length 2048
     python benchmarks/multiturn.py --conversations 8 --length 2048 --turns 5
@@ -56,6 +57,22 @@ SETTINGS: dict[str, dict | None] = {
     "snapkv-span, kept 1/4": {"policy": "snapkv-span", "compression_ratio": 0.75},
     "snapkv-retrieval, kept 1/8": None,
 }
+# On a model without a retrieval profile: the engine starts with plain
+# snapkv-span, and the 1/8 setting is a request's.
+OTHER_MODEL_SETTINGS: dict[str, dict | None] = {
+    "full KV": {"policy": "none"},
+    "snapkv-span, kept 1/4": {"policy": "snapkv-span", "compression_ratio": 0.75},
+    "snapkv-span, kept 1/8": {"policy": "snapkv-span", "compression_ratio": 0.875},
+}
+
+
+def engine_recipe(args) -> list[str]:
+    """The engine's kv_compress flags: the 1/8 recipe on SmolLM2, plain snapkv-span elsewhere."""
+    if args.model is None:
+        return ["--kv-compress-config", str(RECIPE_EIGHTH)]
+    SETTINGS.clear()
+    SETTINGS.update(OTHER_MODEL_SETTINGS)
+    return ["--kv-compress", "snapkv-span"]
 INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
          "I will quiz you about the numbers afterwards.")
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
@@ -114,9 +131,11 @@ def run_memory(args, model: str, convs: list[dict]) -> dict:
     import vllm_kvcompress
 
     tokenizer = AutoTokenizer.from_pretrained(model)
+    flags = engine_recipe(args)
+    engine = {"kv_compress_config": flags[1]} if flags[0] == "--kv-compress-config" else {"kv_compress": flags[1]}
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE, seed=0,
               max_model_len=args.length + args.turns * (args.max_tokens + 64) + BLOCK_SIZE,
-              kv_compress_config=str(RECIPE_EIGHTH), gpu_memory_utilization=0.3)
+              gpu_memory_utilization=0.3, **engine)
     rows = []
     for label, setting in SETTINGS.items():
         llm.reset_prefix_cache()  # each setting's conversations hit only their own turns
@@ -141,19 +160,20 @@ def run_memory(args, model: str, convs: list[dict]) -> dict:
                              "blocks_held": stats[rid]["blocks_held"],
                              "score": score(answer, conv["values"][t])})
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    return {"rows": rows}
+    return {"rows": rows, "plugin": str(Path(vllm_kvcompress.__file__).parent)}
 
 
 def render_memory(result: dict) -> str:
     rows = result["rows"]
     turns = sorted({r["turn"] for r in rows})
     out = [f"# Conversations: KV blocks held and prompt tokens computed per turn ({result['label']})", "",
+           f"Plugin: `{result['plugin']}`.", "",
            f"`{result['command']}` on {result['machine']}; {result['model']}, {result['conversations']} "
            f"conversation(s) of {len(turns)} turns over a {result['length']}-token haystack, "
            f"{result['max_tokens']}-token answers, block {BLOCK_SIZE}, prefix caching on; "
-           f"{result['wall_s']:.0f} s. Blocks are summed over the engine's KV cache groups (the 1/8 recipe's: "
-           f"one per layer, so a block holds {BLOCK_SIZE} tokens of one layer), held by the turn's request when it "
-           f"finishes; tokens computed = the turn's prompt minus its prefix-cache hit. Mean over conversations "
+           f"{result['wall_s']:.0f} s. Blocks are summed over the engine's KV cache groups (the 1/8 recipe's on "
+           f"SmolLM2: one per layer, so a block holds {BLOCK_SIZE} tokens of one layer), held by the turn's request "
+           f"when it finishes; tokens computed = the turn's prompt minus its prefix-cache hit. Mean over conversations "
            f"(min .. max).", "",
            "| setting | " + " | ".join(f"turn {t}: blocks held / tokens computed" for t in turns) + " |",
            "|---|" + "---|" * len(turns)]
@@ -181,7 +201,7 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
     from server_utils import Server
 
     log = RESULTS / "multiturn-serve.log"
-    server = Server(model, "--kv-compress-config", str(RECIPE_EIGHTH),
+    server = Server(model, *engine_recipe(args),
                     "--max-model-len", str(args.length + args.turns * (args.max_tokens + 64) + BLOCK_SIZE),
                     "--max-num-seqs", str(args.concurrency), log=log, timeout=600,
                     env={"VLLM_CPU_KVCACHE_SPACE": "4"})
@@ -263,7 +283,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(ROOT))
+    sys.path.append(str(ROOT))  # after PYTHONPATH: another checkout of the plugin given there is the one measured
     from kvc_tools.longctx import make_token_counter
     from kvc_tools.models import prepare_smollm2
 
