@@ -29,6 +29,8 @@ and requests switch policy through `vllm_xargs`), or on another model
 
     python benchmarks/multiturn.py --memory --conversations 2 --length 2048
     python benchmarks/multiturn.py --conversations 8 --length 2048 --turns 5
+    python benchmarks/multiturn.py --model ~/.cache/vllm_kvcompress/models/gemma-3-270m \
+        --chat-template benchmarks/gemma3-chat.jinja --length 4096   # after scripts/gemma3_setup.sh
 
 Writes benchmarks/results/multiturn[-memory].{json,md}.
 """
@@ -131,6 +133,8 @@ def run_memory(args, model: str, convs: list[dict]) -> dict:
     import vllm_kvcompress
 
     tokenizer = AutoTokenizer.from_pretrained(model)
+    if args.chat_template is not None:
+        tokenizer.chat_template = args.chat_template.read_text()
     flags = engine_recipe(args)
     engine = {"kv_compress_config": flags[1]} if flags[0] == "--kv-compress-config" else {"kv_compress": flags[1]}
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE, seed=0,
@@ -203,7 +207,8 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
     log = RESULTS / "multiturn-serve.log"
     server = Server(model, *engine_recipe(args),
                     "--max-model-len", str(args.length + args.turns * (args.max_tokens + 64) + BLOCK_SIZE),
-                    "--max-num-seqs", str(args.concurrency), log=log, timeout=600,
+                    "--max-num-seqs", str(args.concurrency),
+                    *(["--chat-template", str(args.chat_template)] if args.chat_template else []), log=log, timeout=600,
                     env={"VLLM_CPU_KVCACHE_SPACE": "4"})
 
     def converse(job: tuple[str, int]) -> list[dict]:
@@ -280,6 +285,8 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=2048, help="haystack tokens (the first message)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=6, help="conversations in flight (server)")
+    p.add_argument("--chat-template", type=Path, default=None,
+                   help="a Jinja chat template for a model without one (benchmarks/gemma3-chat.jinja)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
