@@ -43,6 +43,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -204,7 +205,8 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from server_utils import Server
 
-    log = RESULTS / "multiturn-serve.log"
+    log = Path(tempfile.mkdtemp(prefix="multiturn-")) / "serve.log"
+    print(f"server log: {log}", file=sys.stderr, flush=True)
     server = Server(model, *engine_recipe(args),
                     "--max-model-len", str(args.length + args.turns * (args.max_tokens + 64) + BLOCK_SIZE),
                     "--max-num-seqs", str(args.concurrency),
