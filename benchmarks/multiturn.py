@@ -41,6 +41,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -173,7 +174,7 @@ def render_memory(result: dict) -> str:
     turns = sorted({r["turn"] for r in rows})
     out = [f"# Conversations: KV blocks held and prompt tokens computed per turn ({result['label']})", "",
            f"Plugin: `{result['plugin']}`.", "",
-           f"`{result['command']}` on {result['machine']}; {result['model']}, {result['conversations']} "
+           f"`{result['command']}` on {machine_line(result)}; {result['model_name']}, {result['conversations']} "
            f"conversation(s) of {len(turns)} turns over a {result['length']}-token haystack, "
            f"{result['max_tokens']}-token answers, block {BLOCK_SIZE}, prefix caching on; "
            f"{result['wall_s']:.0f} s. Blocks are summed over the engine's KV cache groups (the 1/8 recipe's on "
@@ -241,6 +242,11 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
     return {"rows": rows}
 
 
+def machine_line(result: dict) -> str:
+    m = result["machine"]
+    return f"{m['cpu_model']} ({m['usable_cpus']} cores, {m['mem_gib']} GiB), vLLM CPU, float32"
+
+
 def paired_interval(diffs: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
     rng = random.Random(seed)
     means = sorted(statistics.mean(rng.choices(diffs, k=len(diffs))) for _ in range(reps))
@@ -252,7 +258,7 @@ def render_quality(result: dict) -> str:
     turns = sorted({r["turn"] for r in rows})
     full = {(r["conversation"], r["turn"]): r["score"] for r in rows if r["setting"] == "full KV"}
     out = [f"# Conversations over one haystack: score per turn ({result['model_name']}, {result['length']} tokens)",
-           "", f"`{result['command']}` on {result['machine']}; {result['conversations']} conversations of "
+           "", f"`{result['command']}` on {machine_line(result)}; {result['conversations']} conversations of "
            f"{len(turns)} turns through `vllm serve` chat completions, prefix caching on, "
            f"{result['max_tokens']}-token answers; {result['wall_s']:.0f} s. A turn scores 1 when its needle's "
            f"value is in the answer; mean over conversations (difference to full KV, 95% paired-bootstrap "
@@ -301,7 +307,8 @@ def main(argv=None) -> int:
     convs = [conversation(i, args.length, args.turns, count_tokens) for i in range(args.conversations)]
     t0 = time.perf_counter()
     result = run_memory(args, model, convs) if args.memory else run_quality(args, model, convs)
-    result.update(command="python benchmarks/multiturn.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    given = argv if argv is not None else sys.argv[1:]
+    result.update(command=shlex.join(["python", "benchmarks/multiturn.py", *given]),
                   machine=machine_info(), model=model, model_name=Path(model).name, length=args.length,
                   conversations=args.conversations, max_tokens=args.max_tokens, label=args.label,
                   wall_s=time.perf_counter() - t0)
