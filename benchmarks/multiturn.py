@@ -70,13 +70,17 @@ OTHER_MODEL_SETTINGS: dict[str, dict | None] = {
 }
 
 
-def engine_recipe(args) -> list[str]:
-    """The engine's kv_compress flags: the 1/8 recipe on SmolLM2, plain snapkv-span elsewhere."""
+def engine_recipe(args) -> tuple[list[str], dict]:
+    """The engine's kv_compress settings as `vllm serve` flags and as `LLM` keywords:
+    the 1/8 recipe on SmolLM2, snapkv-span at kept 1/4 elsewhere."""
     if args.model is None:
-        return ["--kv-compress-config", str(RECIPE_EIGHTH)]
+        return ["--kv-compress-config", str(RECIPE_EIGHTH)], {"kv_compress_config": str(RECIPE_EIGHTH)}
     SETTINGS.clear()
     SETTINGS.update(OTHER_MODEL_SETTINGS)
-    return ["--kv-compress", "snapkv-span"]
+    return (["--kv-compress", "snapkv-span", "--kv-compress-ratio", "0.75"],
+            {"kv_compress": {"policy": "snapkv-span", "compression_ratio": 0.75}})
+
+
 INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
          "I will quiz you about the numbers afterwards.")
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
@@ -137,8 +141,7 @@ def run_memory(args, model: str, convs: list[dict]) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model)
     if args.chat_template is not None:
         tokenizer.chat_template = args.chat_template.read_text()
-    flags = engine_recipe(args)
-    engine = {"kv_compress_config": flags[1]} if flags[0] == "--kv-compress-config" else {"kv_compress": flags[1]}
+    _, engine = engine_recipe(args)
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE, seed=0,
               max_model_len=args.length + args.turns * (args.max_tokens + 64) + BLOCK_SIZE,
               gpu_memory_utilization=0.3, **engine)
@@ -208,7 +211,7 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
 
     log = Path(tempfile.mkdtemp(prefix="multiturn-")) / "serve.log"
     print(f"server log: {log}", file=sys.stderr, flush=True)
-    server = Server(model, *engine_recipe(args),
+    server = Server(model, *engine_recipe(args)[0],
                     "--max-model-len", str(args.length + args.turns * (args.max_tokens + 64) + BLOCK_SIZE),
                     "--max-num-seqs", str(args.concurrency),
                     *(["--chat-template", str(args.chat_template)] if args.chat_template else []), log=log, timeout=600,
