@@ -30,7 +30,7 @@ and requests switch policy through `vllm_xargs`), or on another model
     python benchmarks/multiturn.py --memory --conversations 2 --length 2048
     python benchmarks/multiturn.py --conversations 8 --length 2048 --turns 5
     python benchmarks/multiturn.py --model ~/.cache/vllm_kvcompress/models/gemma-3-270m \
-        --chat-template benchmarks/gemma3-chat.jinja --length 4096   # after scripts/gemma3_setup.sh
+        --completion --length 4096   # a base model: plain-text turns (after scripts/gemma3_setup.sh)
 
 Writes benchmarks/results/multiturn[-memory].{json,md}.
 """
@@ -85,6 +85,7 @@ INTRO = ("Some special magic numbers are hidden within the following text. Make 
          "I will quiz you about the numbers afterwards.")
 QUESTION = "What is the special magic number for {key} mentioned in the provided text?"
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
+ANSWER = "The special magic number for {key} mentioned in the provided text is"  # --completion
 
 
 def conversation(index: int, length: int, turns: int, count_tokens, seed: int = 0) -> dict:
@@ -219,17 +220,26 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
 
     def converse(job: tuple[str, int]) -> list[dict]:
         label, c = job
-        conv, chat, rows = convs[c], [], []
+        conv, chat, text, rows = convs[c], [], "", []
         for t, message in enumerate(conv["messages"]):
-            chat.append({"role": "user", "content": message})
-            body = {"model": server.model, "messages": chat, "max_tokens": args.max_tokens, "temperature": 0}
+            body = {"model": server.model, "max_tokens": args.max_tokens, "temperature": 0}
+            if args.completion:
+                # A base model's turns as plain text, each question followed by RULER's answer prefix.
+                text += ("\n" if text else "") + message + " " + ANSWER.format(key=conv["keys"][t])
+                body.update(prompt=text, stop=["\n"])
+            else:
+                chat.append({"role": "user", "content": message})
+                body["messages"] = chat
             setting = SETTINGS[label]
             if setting is not None:
                 body["vllm_xargs"] = {"kv_compress" if k == "policy" else f"kv_compress_{k}": v
                                       for k, v in setting.items()}
-            response = requests.post(server.url + "/v1/chat/completions", json=body, timeout=3600)
+            endpoint = "/v1/completions" if args.completion else "/v1/chat/completions"
+            response = requests.post(server.url + endpoint, json=body, timeout=3600)
             response.raise_for_status()
-            answer = response.json()["choices"][0]["message"]["content"] or ""
+            choice = response.json()["choices"][0]
+            answer = (choice["text"] if args.completion else choice["message"]["content"]) or ""
+            text += answer
             chat.append({"role": "assistant", "content": answer})
             rows.append({"setting": label, "conversation": c, "turn": t + 1, "answer": answer,
                          "value": conv["values"][t], "score": score(answer, conv["values"][t])})
@@ -262,7 +272,7 @@ def render_quality(result: dict) -> str:
     full = {(r["conversation"], r["turn"]): r["score"] for r in rows if r["setting"] == "full KV"}
     out = [f"# Conversations over one haystack: score per turn ({result['model_name']}, {result['length']} tokens)",
            "", f"`{result['command']}` on {machine_line(result)}; {result['conversations']} conversations of "
-           f"{len(turns)} turns through `vllm serve` chat completions, prefix caching on, "
+           f"{len(turns)} turns through `vllm serve` {result['endpoint']}, prefix caching on, "
            f"{result['max_tokens']}-token answers; {result['wall_s']:.0f} s. A turn scores 1 when its needle's "
            f"value is in the answer; mean over conversations (difference to full KV, 95% paired-bootstrap "
            f"interval).", "",
@@ -296,8 +306,11 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=2048, help="haystack tokens (the first message)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=6, help="conversations in flight (server)")
+    p.add_argument("--completion", action="store_true",
+                   help="turns as plain text through /v1/completions, each question followed by an answer prefix "
+                        "(a base model, e.g. gemma-3-270m); default: chat completions")
     p.add_argument("--chat-template", type=Path, default=None,
-                   help="a Jinja chat template for a model without one (benchmarks/gemma3-chat.jinja)")
+                   help="a Jinja chat template for a model without one")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -314,6 +327,7 @@ def main(argv=None) -> int:
     result.update(command=shlex.join(["python", "benchmarks/multiturn.py", *given]),
                   machine=machine_info(), model=model, model_name=Path(model).name, length=args.length,
                   conversations=args.conversations, max_tokens=args.max_tokens, label=args.label,
+                  endpoint="completions (plain-text turns)" if args.completion else "chat completions",
                   wall_s=time.perf_counter() - t0)
     name = "multiturn-memory" if args.memory else "multiturn"
     out = args.out or RESULTS / name
