@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,21 @@ def run_script(model: str, env: dict | None = None, **kwargs) -> dict:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def scripts(tiny_model):
+    """The module's two script runs, started at once (each starts its own
+    engine: ~45 s apart, ~50 s together on two cores); tests take `.result()`."""
+    with ThreadPoolExecutor(2) as pool:
+        yield {
+            "additional_config": pool.submit(run_script, tiny_model, additional_config={"kv_compress": CONFIG}),
+            # Only vLLM's own plugins: the package is never loaded.
+            "without_plugin": pool.submit(run_script, tiny_model, env={"VLLM_PLUGINS": "lora_filesystem_resolver"}),
+        }
+
+
+CONFIG = {"policy": "streamingllm", "budget": 48, "sink_tokens": 2}
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -47,12 +63,12 @@ def test_bad_python_config_fails_before_the_engine_starts(tiny_model, kwargs, ne
     assert needle in str(e.value)
 
 
-def test_additional_config_works_without_importing_the_package(tiny_model):
+def test_additional_config_works_without_importing_the_package(tiny_model, scripts):
     from kvc_tools.reference_decoder import ReferenceDecoder
     from vllm_kvcompress.config import KVCompressConfig
 
-    config = {"policy": "streamingllm", "budget": 48, "sink_tokens": 2}
-    result = run_script(tiny_model, additional_config={"kv_compress": config})
+    config = CONFIG
+    result = scripts["additional_config"].result()
     # The script never imports the package: vLLM's plugin loader did.
     assert result["imported_plugin"]
     assert result["stats"]["tokens_evicted"] > 0
@@ -61,12 +77,12 @@ def test_additional_config_works_without_importing_the_package(tiny_model):
         assert tokens == ref.generate(prompt, 40, KVCompressConfig.from_dict(config))["tokens"]
 
 
-def test_plugin_is_inert_without_kv_compress(start_engine, tiny_model):
+def test_plugin_is_inert_without_kv_compress(start_engine, tiny_model, scripts):
     """Installed but not configured: token-for-token what vLLM gives without the plugin."""
     engine = start_engine(**engine_kwargs(tiny_model))
     with_plugin = engine.generate(PROMPTS, 40)
     assert engine.stats() is None  # no compression machinery in the engine
-    without = run_script(tiny_model, env={"VLLM_PLUGINS": "lora_filesystem_resolver"})
+    without = scripts["without_plugin"].result()
     assert not without["imported_plugin"]
     assert with_plugin == without["tokens"]
     from vllm.exceptions import VLLMValidationError
