@@ -4,7 +4,7 @@ On Gemma 3 (sliding-window layers beside full-attention ones) only the
 full-attention layers compress; the sliding-window groups hold what vLLM's
 own manager keeps (the window). For each prompt length, one request runs
 uncompressed and one compressed (`--policy`, `--ratio`: 0.75 is 4x), with
-prefix caching off (a repeated prompt would be a protected start); the
+prefix caching off (each request computes its own prompt); the
 plugin's stats give the blocks each group held when the request finished.
 
     python benchmarks/hybrid_memory.py                       # Gemma 3 270M (scripts/gemma3_setup.sh)

@@ -225,7 +225,7 @@ def run_plugin(args, model: str, prompts: list[dict], cfgs: list[tuple[str, floa
     t0 = time.perf_counter()
     llm = LLM(model=model, kv_compress="none", dtype=quality.DTYPE, enforce_eager=True,
               block_size=quality.BLOCK_SIZE, max_model_len=max_model_len, seed=0, max_num_seqs=256,
-              enable_prefix_caching=False,  # methods share prompts: a hit would be a protected start
+              enable_prefix_caching=False,  # methods share prompts: each computes its own prefill
               kv_compress_layer_groups=1)
     startup_s = time.perf_counter() - t0
     print(f"[compare] plugin: engine up in {startup_s:.0f} s; {len(reqs)} requests ...", file=sys.stderr, flush=True)

@@ -78,7 +78,7 @@ def run_one(args) -> dict:
     groups = int(groups)
     model = args.model or str(prepare_smollm2())
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE, seed=0,
-              enable_prefix_caching=False,  # repeated prompts: a hit would be a protected start
+              enable_prefix_caching=False,  # repeated prompts: each computes its own prefill
               max_model_len=args.prompt_len + args.new_tokens + 16, disable_log_stats=True,
               kv_compress=policy, kv_compress_budget=args.budget, kv_compress_window=args.window,
               kv_compress_layer_groups=groups)

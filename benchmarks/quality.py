@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     # ---- engine
     t0 = time.perf_counter()
     # Prefix caching off: the full-KV and compressed requests share prompts,
-    # and a prefix-cache hit would be a protected start (not compressed).
+    # and each computes its own prefill (hits change no answer, only the work).
     # A retrieval profile is an engine setting (a request may only restate
     # it): the engine starts with it, and every request names its own policy.
     profiles = {policy_spec(p).get("profile") for p in args.policies} - {None}

@@ -14,8 +14,8 @@ def engine_kwargs(model: str, **overrides) -> dict:
     kwargs = dict(
         model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
         max_model_len=1024, seed=0,
-        # Off unless a test asks: a repeated prompt would hit the prefix cache,
-        # and hits are a protected start (tests/test_prefix_caching.py).
+        # Off unless a test asks: a repeated prompt would hit the prefix cache
+        # and skip prefill (same answers, tests/test_prefix_caching.py).
         enable_prefix_caching=False,
     )
     kwargs.update(overrides)
