@@ -368,7 +368,7 @@ def wrap_process_inputs(original):
             config = KVCompressConfig.from_dict(engine).merged(overrides, limits=limits)
             prompt_len = (len(request.prompt_token_ids) if request.prompt_token_ids is not None
                           else len(request.prompt_embeds))
-            if overrides.get("protect_prefix") is not None and config.protect_prefix > prompt_len:
+            if overrides.get("protect_prefix") is not None and (config.protect_prefix or 0) > prompt_len:
                 raise KVCompressConfigError(
                     f"{CONFIG_KEY}.protect_prefix: {config.protect_prefix} is longer than the prompt "
                     f"({prompt_len} tokens); valid values: 0 .. {prompt_len}")
