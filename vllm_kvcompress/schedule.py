@@ -164,8 +164,7 @@ class RequestSchedule:
         if first_due is None:  # never compresses: any hit serves
             return None
         scorer = self.plan.scorer
-        observed = (scorer.observe.first_query(self.plan.prompt_len, scorer.window_queries(), first_due)
-                    if scorer.observe.attends() else first_due)
+        observed = scorer.observe.first_query(self.plan.prompt_len, scorer.window_queries(), first_due)
         return min(first_due, max(self.plan.protected_len, observed))
 
     def max_physical(self, total_len: int) -> int | None:
