@@ -70,15 +70,15 @@ OTHER_MODEL_SETTINGS: dict[str, dict | None] = {
 }
 
 
-def engine_recipe(args) -> tuple[list[str], dict]:
-    """The engine's kv_compress settings as `vllm serve` flags and as `LLM` keywords:
-    the 1/8 recipe on SmolLM2, snapkv-span at kept 1/4 elsewhere."""
+def engine_recipe(args) -> tuple[list[str], dict, dict[str, dict | None]]:
+    """The engine's kv_compress settings as `vllm serve` flags and as `LLM`
+    keywords, and the requests' settings: the 1/8 recipe on SmolLM2,
+    snapkv-span at kept 1/4 elsewhere."""
     if args.model is None:
-        return ["--kv-compress-config", str(RECIPE_EIGHTH)], {"kv_compress_config": str(RECIPE_EIGHTH)}
-    SETTINGS.clear()
-    SETTINGS.update(OTHER_MODEL_SETTINGS)
+        return (["--kv-compress-config", str(RECIPE_EIGHTH)], {"kv_compress_config": str(RECIPE_EIGHTH)},
+                SETTINGS)
     return (["--kv-compress", "snapkv-span", "--kv-compress-ratio", "0.75"],
-            {"kv_compress": {"policy": "snapkv-span", "compression_ratio": 0.75}})
+            {"kv_compress": {"policy": "snapkv-span", "compression_ratio": 0.75}}, OTHER_MODEL_SETTINGS)
 
 
 INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. "
@@ -142,12 +142,12 @@ def run_memory(args, model: str, convs: list[dict]) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model)
     if args.chat_template is not None:
         tokenizer.chat_template = args.chat_template.read_text()
-    _, engine = engine_recipe(args)
+    _, engine, settings = engine_recipe(args)
     llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE, seed=0,
               max_model_len=args.length + args.turns * (args.max_tokens + 64) + BLOCK_SIZE,
               gpu_memory_utilization=0.3, **engine)
     rows = []
-    for label, setting in SETTINGS.items():
+    for label, setting in settings.items():
         llm.reset_prefix_cache()  # each setting's conversations hit only their own turns
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0,
                                 extra_args=None if setting is None else {"kv_compress": setting})
@@ -212,7 +212,8 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
 
     log = Path(tempfile.mkdtemp(prefix="multiturn-")) / "serve.log"
     print(f"server log: {log}", file=sys.stderr, flush=True)
-    server = Server(model, *engine_recipe(args)[0],
+    flags, _, settings = engine_recipe(args)
+    server = Server(model, *flags,
                     "--max-model-len", str(args.length + args.turns * (args.max_tokens + 64) + BLOCK_SIZE),
                     "--max-num-seqs", str(args.concurrency),
                     *(["--chat-template", str(args.chat_template)] if args.chat_template else []), log=log, timeout=600,
@@ -230,7 +231,7 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
             else:
                 chat.append({"role": "user", "content": message})
                 body["messages"] = chat
-            setting = SETTINGS[label]
+            setting = settings[label]
             if setting is not None:
                 body["vllm_xargs"] = {"kv_compress" if k == "policy" else f"kv_compress_{k}": v
                                       for k, v in setting.items()}
@@ -240,14 +241,14 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
             choice = response.json()["choices"][0]
             answer = (choice["text"] if args.completion else choice["message"]["content"]) or ""
             text += answer
-            chat.append({"role": "assistant", "content": answer})
+            chat.append({"role": "assistant", "content": answer})  # unused by --completion
             rows.append({"setting": label, "conversation": c, "turn": t + 1, "answer": answer,
                          "value": conv["values"][t], "score": score(answer, conv["values"][t])})
         print(f"{label} #{c}: {[r['score'] for r in rows]}", file=sys.stderr, flush=True)
         return rows
 
     try:
-        jobs = [(label, c) for c in range(len(convs)) for label in SETTINGS]
+        jobs = [(label, c) for c in range(len(convs)) for label in settings]
         with ThreadPoolExecutor(args.concurrency) as pool:
             rows = [r for rows in pool.map(converse, jobs) for r in rows]
     finally:
@@ -278,7 +279,7 @@ def render_quality(result: dict) -> str:
            f"interval).", "",
            "| setting | " + " | ".join(f"turn {t}" for t in turns) + " | all turns |",
            "|---|" + "---|" * (len(turns) + 1)]
-    for label in SETTINGS:
+    for label in dict.fromkeys(r["setting"] for r in rows):
         cells = []
         for t in list(turns) + [None]:
             sel = [r for r in rows if r["setting"] == label and (t is None or r["turn"] == t)]
