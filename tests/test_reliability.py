@@ -58,6 +58,7 @@ SIZE_FIELDS = {
     "floor": {"kv_compress": "adaptive", "kv_compress_budget": 64},
     "start_layer": {"kv_compress": "minicache"},
     "layer_groups": {"kv_compress": "h2o", "kv_compress_budget": 64},
+    "protect_prefix": {"kv_compress": "h2o", "kv_compress_budget": 64},
 }
 
 
