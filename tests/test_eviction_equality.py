@@ -2,7 +2,8 @@
 
 One engine, compression configured as `none`, every request choosing its
 policy and budget through `extra_args`: compressed and uncompressed requests of
-different lengths share batches and join/leave at different steps.
+different lengths share batches and join/leave at different steps. The engine
+runs compiled (vLLM's default, not `enforce_eager`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ POLICY_NAMES = sorted(name for name, c in POLICIES.items()
 
 @pytest.fixture(scope="module")
 def engine(start_engine, tiny_model):
-    return start_engine(**engine_kwargs(tiny_model, kv_compress="none"))
+    # vLLM's default compilation, not eager: the model is compiled (on CPU
+    # dynamo + inductor) around the attention op, which calls the plugin's
+    # hooks at every step; on CUDA the same op is a piecewise graph's split.
+    return start_engine(**engine_kwargs(tiny_model, kv_compress="none", enforce_eager=False))
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,20 @@ with those heads' evicted slots masked; and the upper layer of a MiniCache
 pair reads most of its keys and values from the lower layer's cache, so
 its rows are redone too. One subclass per supported
 backend, registered under the backend's own name so vLLM picks it as usual:
-CPU_ATTN on CPU, FLASH_ATTN on CUDA.
+CPU_ATTN on CPU, FLASH_ATTN on CUDA (whose metadata builder is subclassed
+too: it must build each KV cache group's metadata, not copy the first's).
 """
 
 from __future__ import annotations
 
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
-from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadataBuilder,
+)
 
+from ..config import CONFIG_KEY
 from .worker.state import attached
 
 
@@ -51,10 +57,33 @@ class KVCompressFlashImpl(ObserveQueries, FlashAttentionImpl):
     pass
 
 
+class KVCompressFlashMetadataBuilder(FlashAttentionMetadataBuilder):
+    """FLASH_ATTN's builder, building every KV cache group's metadata.
+
+    vLLM's runner builds the first group of a KV cache spec and, for a builder
+    that `supports_update_block_table`, gives the next groups of that spec a
+    copy with only their block table and slot mapping changed: the same
+    seq_lens for every group. Compressed groups hold different physical
+    lengths (per-layer budgets, MiniCache, a hybrid model's several groups),
+    so with compression on each group is built on its own, through
+    `AttentionGroup.build_metadata`, where the seam sets its seq_lens
+    (worker/step_inputs.MetadataEdits). vLLM's own GDN builder turns the
+    attribute off per instance the same way.
+    """
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.supports_update_block_table = CONFIG_KEY not in (vllm_config.additional_config or {})
+
+
 class KVCompressFlashBackend(FlashAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return KVCompressFlashImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return KVCompressFlashMetadataBuilder
 
 
 def register_backends(platform) -> None:

@@ -220,7 +220,7 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
         raise _refuse(f"a custom scheduler_cls ({args.scheduler_cls})")
     if args.async_scheduling:
         logger.warning("kv_compress: async scheduling turned off: blocks are freed and compacted "
-                       "between synchronous steps")
+                       "between synchronous steps (docs/deployment.md, Async scheduling)")
     args.async_scheduling = False
     args.scheduler_cls = SCHEDULER_CLS
     # The hooks target the V1 model runner; spawned workers inherit this.
@@ -230,26 +230,49 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
 
 
 def prepare_platform(args, config: KVCompressConfig) -> None:
-    """CPU: CPU_ATTN as vLLM picks it. CUDA: FLASH_ATTN, eager. Else: refuse."""
+    """CPU: CPU_ATTN as vLLM picks it. CUDA: FLASH_ATTN with piecewise CUDA graphs. Else: refuse."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         return
     if not current_platform.is_cuda():
         raise _refuse(f"the {current_platform.device_name} platform (CPU and CUDA only)")
-    if config.num_layer_groups > 1:
-        raise _refuse("layer_groups > 1 on CUDA (FLASH_ATTN builds one group's metadata and reuses it "
-                      "for the others, which would give every group the same seq_lens; CPU only so far)")
     chosen = args.attention_backend or getattr(args.attention_config, "backend", None)
     name = getattr(chosen, "name", chosen)
     if name is None:
         args.attention_backend = "FLASH_ATTN"
     elif str(name).upper() != "FLASH_ATTN":
         raise _refuse(f"attention backend {name} (on CUDA only FLASH_ATTN's cache layout is known)")
-    if not args.enforce_eager:
-        logger.warning("kv_compress: CUDA graphs turned off (enforce_eager): a captured graph would "
-                       "replay attention without the plugin's query scoring")
-    args.enforce_eager = True
+    prepare_cuda_graphs(args.compilation_config, args.enforce_eager)
+
+
+def prepare_cuda_graphs(compilation, enforce_eager: bool) -> None:
+    """Piecewise CUDA graphs unless the user chose a mode: the plugin's
+    per-step work lives in the attention op, which piecewise mode runs eagerly
+    between the captured pieces (vLLM's default splitting ops). vLLM's own
+    default on FLASH_ATTN, FULL_AND_PIECEWISE, would replay attention from a
+    graph in decode steps, without it (`check_cuda_graphs` refuses that)."""
+    from vllm.config import CUDAGraphMode
+
+    if not enforce_eager and compilation.cudagraph_mode is None:
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        logger.info("kv_compress: CUDA graphs PIECEWISE (attention and the plugin's hooks run eagerly between "
+                    "captured pieces)")
+
+
+def check_cuda_graphs(compilation) -> None:
+    """The compilation as vLLM resolved it (a fusion pass may change the mode)
+    captures no attention op: no full graph, and with piecewise graphs every
+    attention op is a splitting op."""
+    mode = compilation.cudagraph_mode
+    if mode is None:
+        return
+    if mode.has_full_cudagraphs():
+        raise _refuse(f"cudagraph_mode={mode.name} (a full CUDA graph replays attention without the plugin's "
+                      f"scoring and metadata edits; use PIECEWISE, the default with kv_compress, or NONE)")
+    if mode.has_piecewise_cudagraphs() and not compilation.splitting_ops_contain_attention():
+        raise _refuse(f"splitting_ops={compilation.splitting_ops} (piecewise CUDA graphs would capture an "
+                      f"attention op; leave splitting_ops unset or include vLLM's attention ops)")
 
 
 COMPRESSIBLE_LAYER_TYPE = "full_attention"
@@ -327,6 +350,8 @@ def wrap_create_engine_config(original):
         config = prepare_engine_args(self)
         vllm_config = original(self, *args, **kwargs)
         if config is not None:
+            if vllm_config.device_config.device_type == "cuda":
+                check_cuda_graphs(vllm_config.compilation_config)
             check_model(vllm_config)
             metrics.enable_metrics()
             logger.info("kv_compress enabled: %s", config.to_dict())
