@@ -180,7 +180,7 @@ class PagedDecoder:
         num_groups = max(group_of_layer) + 1
         # A hybrid model's sliding-window layers are vLLM's KV cache group 0,
         # uncompressed; the compressed groups follow (the worker's `vllm_groups`).
-        hybrid = len(self.compressed) < self.num_layers
+        hybrid = int(len(self.compressed) < self.num_layers)  # 1: vLLM's group 0 is the sliding one
         vllm_groups = tuple(range(hybrid, num_groups + hybrid))
         layers = [PagedLayer(f"model.layers.{i}.self_attn.attn", self._new_cache(), self.hq, self.hkv,
                              types.SimpleNamespace(scale=self.scale)) for i in range(self.num_layers)]
@@ -200,7 +200,8 @@ class PagedDecoder:
         total = {rid: len(prompt) + max_new_tokens for rid, prompt in zip(ids, prompts)}
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         logical = dict.fromkeys(ids, 0)
-        waiting, running, done, finished = list(ids), [], {}, []
+        waiting, running, finished = list(ids), list[str](), list[str]()
+        done: dict[str, dict] = {}
         admitted: dict[str, int] = {}
         step_index = 0
         while waiting or running:
@@ -289,7 +290,7 @@ class PagedDecoder:
         return [done[rid] for rid in ids]
 
     def _blocks_needed(self, plan: RequestSchedule, logical_len: int, total_len: int, num_groups: int,
-                       hybrid: bool) -> int:
+                       hybrid: int) -> int:
         """Most blocks a request may hold from now until it has `total_len`
         tokens, over every KV cache group: its plan's bound (the whole prompt
         unless streamed, then the trigger's), all tokens when uncompressed."""
