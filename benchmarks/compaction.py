@@ -2,10 +2,14 @@
 
 What the worker does when the scheduler's step plan names R requests in its
 compactions (`vllm_seam/worker/compaction.compact_requests`), without vLLM:
-per layer, each request's selection (`RequestTokens.select`: its scorer's
-`score()` on the accumulated scores, the allocation and the selection
-modifier), one `compact_kv_batched` op for all of them, and the bookkeeping
-(`keep_selected`). The cache has vLLM 0.32's FLASH_ATTN shape; on CUDA it is
+per layer, each request scored (`RequestTokens.to_select`: its scorer's
+`score()` on the accumulated scores), one selection over all of them (the
+allocation's `select_batch`: protection, the selection modifier, the top-k
+and the hole-filling order on a padded [R, Hkv, T] batch), one
+`compact_kv_batched` op for all of them, and the bookkeeping
+(`keep_selected`). `--per-request` selects one request at a time instead
+(the path before the batched selection, one small selection per request
+and layer). The cache has vLLM 0.32's FLASH_ATTN shape; on CUDA it is
 timed with CUDA events after a warm-up (and counts the host reads through
 `host_reads`, when the checked-out code has it), on CPU with wall time.
 
@@ -13,6 +17,7 @@ Only the APIs both the per-request host path (before issue 29) and the device
 path share are used, so the same script times either checkout:
 
     python benchmarks/compaction.py                          # h2o, R 16, L 8, T 2048, 3 repeats
+    python benchmarks/compaction.py --per-request            # the same, one request's selection at a time
     python benchmarks/compaction.py --policy snapkv --requests 64 --layers 32 --tokens 8192 --device cuda
     git worktree add /tmp/before <rev> && PYTHONPATH=/tmp/before python /tmp/before/benchmarks/compaction.py
 """
@@ -70,8 +75,16 @@ def step(args, device: torch.device, seed: int) -> tuple[float, int]:
         start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start_event.record()
     begin = time.perf_counter()
+    batched = not args.per_request and hasattr(RequestTokens, "to_select")
     for layer in range(args.layers):
-        kept = [s.select(layer, keep) for s in states]
+        if batched:  # the worker's way: one selection over every request of the layer
+            pending = [s.to_select(layer, keep) for s in states]
+            rows = [p for p in pending if p is not None]
+            picked = iter(states[0].plan.allocation.select_batch(rows) if rows else [])
+            kept = [s.take_selection(layer, keep, None if p is None else next(picked))
+                    for s, p in zip(states, pending)]
+        else:  # one request at a time
+            kept = [s.select(layer, keep) for s in states]
         keep_idx = torch.stack([k.to(device) for k in kept])
         ops.compact_kv_batched(keys, values, tables, keep_idx, counts)
         for s, k in zip(states, kept):
@@ -100,6 +113,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--per-request", action="store_true",
+                        help="select one request at a time (as before the batched selection) instead of one batch "
+                             "per layer")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -109,6 +125,7 @@ def main() -> None:
     result = {
         "policy": args.policy, "requests": args.requests, "layers": args.layers, "tokens": args.tokens,
         "budget": args.budget, "heads": [args.q_heads, args.kv_heads, args.head_dim], "device": args.device,
+        "selection": "per request" if args.per_request else "batched per layer",
         "seconds": seconds, "median_s": statistics.median(seconds),
         "spread_s": [min(seconds), max(seconds)], "host_reads_per_step": runs[-1][1],
         "machine": machine_info(),

@@ -326,10 +326,10 @@ def test_adakv_shares_one_top_k_across_heads_with_a_floor():
     ranked[1, :5] = 0.5
     ranked[2, :5] = 0.4
     # Floor 2 each; the other 30 - 6 slots all go to head 0's scores (its top 2 already taken).
-    assert allocation.head_counts(ranked, 10).tolist() == [20, 5, 5]
-    assert allocation.head_counts(ranked, 10).sum() == 30
+    assert allocation.head_counts(ranked[None], [10]).tolist() == [[20, 5, 5]]
+    assert allocation.head_counts(ranked[None], [10]).sum() == 30
     assert KVCompressConfig.from_dict({"policy": "adakv", "budget": 10, "window": 2, "alpha": 1.0}) \
-        .components().allocation.head_counts(ranked, 10).tolist() == [10, 10, 10]  # alpha 1: uniform
+        .components().allocation.head_counts(ranked[None], [10]).tolist() == [[10, 10, 10]]  # alpha 1: uniform
 
 
 def test_adakv_with_alpha_one_selects_what_snapkv_selects():
@@ -352,7 +352,8 @@ def test_per_head_selection_pads_with_slots_that_stay_in_place():
     from vllm_kvcompress.selection import select_keep_per_head
 
     ranked = torch.tensor([[9.0, 0, 8, 0, 7, 0, 6, 5], [0, 0, 0, 0, 0, 0, 4, 3]])
-    order, dead = select_keep_per_head(ranked, torch.tensor([5, 2]), keep=5)
+    order, dead = select_keep_per_head(ranked[None], torch.tensor([[5, 2]]), keep=[5])
+    order, dead = order[0], dead[0]
     # Head 0 keeps 0,2,4,6,7 (6, 7 move into holes 1, 3). Head 1 keeps 6, 7 and pads
     # with slots 0-2, which stay where they are and are dead; 6, 7 move into slots 3, 4.
     assert order.tolist() == [[0, 6, 2, 7, 4], [0, 1, 2, 6, 7]]

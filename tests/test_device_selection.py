@@ -150,3 +150,56 @@ def test_device_selection_equals_a_plain_loop_ties_included(allocation, selectio
             assert sorted(live.tolist()) == sorted(plain_best(ranked[h], counts[h])), (trial, h)
             # Hole-filling order: a kept token below the new length stays in its slot.
             assert all(int(i) == j for j, i in enumerate(got.keep_idx[h].tolist()) if i < slots), (trial, h)
+
+
+@pytest.mark.parametrize("allocation, selection", SELECTED)
+def test_batched_selection_equals_a_plain_loop_per_request(allocation, selection):
+    """One `select_batch` over requests of different lengths, slots, budgets
+    and protected tokens (the worker's per-layer batch) gives each request
+    methods.md's selection (ties included), as a plain loop over the requests."""
+    from vllm_kvcompress.budgets import LayerToSelect
+    from vllm_kvcompress.sharding import ONE_DEVICE
+
+    gen = torch.Generator().manual_seed(11)
+    params = {"span": {"span": 3, "sink_tokens": 2}, "chunk": {"chunk_length": 4}}.get(selection, {})
+    select_with = SELECTIONS[selection](**params)
+    alloc = ALLOCATIONS[allocation](**({"alpha": 0.3} if allocation == "per_head" else {}))
+    for trial in range(25):
+        heads, layers, want = 3, [], []
+        for _ in range(int(torch.randint(1, 6, (1,), generator=gen))):
+            tokens = int(torch.randint(6, 40, (1,), generator=gen))
+            scores = torch.randint(0, 4, (heads, tokens), generator=gen).float()  # few values: many ties
+            positions = torch.stack([torch.randperm(tokens, generator=gen) for _ in range(heads)])
+            sinks, recent = int(torch.randint(0, 3, (1,), generator=gen)), int(torch.randint(0, 3, (1,), generator=gen))
+            budget = int(torch.randint(sinks + recent + 1, tokens + 1, (1,), generator=gen))
+            ranked = [plain_ranked(scores[h].tolist(), positions[h].tolist(), sinks, recent, select_with)
+                      for h in range(heads)]
+            if allocation == "per_head":
+                counts = plain_head_counts(ranked, budget, 0.3)
+                slots = max(counts)
+            else:
+                counts, slots = [budget] * heads, budget
+            layers.append(LayerToSelect(scores, positions, slots=slots, layer_budget=budget, budget=budget,
+                                        protected=lambda b, fixed=(sinks, recent): fixed, selection=select_with,
+                                        shard=ONE_DEVICE))
+            want.append((ranked, counts, slots))
+        got = alloc.select_batch(layers)
+        for r, (selected, (ranked, counts, slots)) in enumerate(zip(got, want)):
+            assert selected.keep_idx.shape == (heads, slots), (trial, r)
+            for h in range(heads):
+                live = selected.keep_idx[h] if selected.dead is None else selected.keep_idx[h][~selected.dead[h]]
+                assert sorted(live.tolist()) == sorted(plain_best(ranked[h], counts[h])), (trial, r, h)
+                assert all(int(i) == j for j, i in enumerate(selected.keep_idx[h].tolist()) if i < slots)
+
+
+def test_selection_batches_bound_the_padded_tokens():
+    from vllm_kvcompress.token_state import SELECTION_BATCH_TOKENS, selection_batches
+
+    rows = [("a", 1000)] * 100 + [("b", 10)] * 3 + [("a", 2 * SELECTION_BATCH_TOKENS)] + [("a", 5)]
+    batches = selection_batches(rows)
+    assert sorted(i for b in batches for i in b) == list(range(len(rows)))
+    for batch in batches:
+        assert len({rows[i][0] for i in batch}) == 1  # one key per batch
+        widest = max(rows[i][1] for i in batch)
+        assert len(batch) == 1 or len(batch) * widest <= SELECTION_BATCH_TOKENS
+    assert [103] in batches  # longer than a batch: alone

@@ -152,14 +152,26 @@ def reads_per_step(engine, requests: int, seed: int) -> tuple[list[int], int]:
     return per_step, engine.stats()["compressions"] - before
 
 
-def test_host_reads_per_step_do_not_grow_with_requests_or_layers(per_layer):
+def test_host_reads_per_step_do_not_grow_with_requests_or_layers(per_layer, monkeypatch):
     """On CUDA each host read of device data stalls the batch: compaction and
     scoring make none per request or layer, only one per step for the layer
-    budgets that prompts report (per-head budgets here)."""
+    budgets that prompts report (per-head budgets here). A layer's
+    compacting requests are selected in batches (one per kind of allocation
+    and selection), not one by one."""
+    from vllm_kvcompress import budgets
+
+    rows: list[int] = []
+    for cls in (budgets.Allocation, budgets.PerHead):
+        def recording(self, layers, original=cls.select_batch):
+            rows.append(len(layers))
+            return original(self, layers)
+
+        monkeypatch.setattr(cls, "select_batch", recording)
     few, few_compressions = reads_per_step(per_layer, len(MIXED), seed=81)
     many, many_compressions = reads_per_step(per_layer, 3 * len(MIXED), seed=82)
     assert few_compressions >= len(MIXED) and many_compressions >= 3 * len(MIXED)  # they compacted
     assert max(few) == max(many) == 1, (few, many)  # the reports' one read, whatever the batch
+    assert max(rows) >= 3 and sum(rows) > len(rows), rows  # several requests per selection
 
 
 # ------------------------------------------------------------------ the math, without vLLM

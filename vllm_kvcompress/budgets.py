@@ -18,16 +18,17 @@ gets less.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
 from .compat import Component, Problem, first_problem
+from .host_reads import upload
 from .limits import bounded
 from .retrieval_profile import CALIBRATE, load_profile
-from .selection import Selection, best, rank_scores, select_keep, select_keep_per_head
+from .selection import Selection, rank_scores, select_keep_per_head, select_ranked, token_ranks
 from .sharding import HeadShard
 
 if TYPE_CHECKING:
@@ -58,6 +59,53 @@ class Selected:
     # [Hkv, slots] True where a head keeps no token in that slot (attention
     # masks it); None: every slot is live.
     dead: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class LayerToSelect:
+    """One request's layer whose kept tokens are to be chosen (a batch's row)."""
+
+    scores: torch.Tensor  # [Hkv, T] float, on the cache's device
+    positions: torch.Tensor  # [Hkv, T] logical positions of the cached tokens
+    slots: int  # the layer's new length
+    layer_budget: int  # its slots after the protected start
+    budget: int  # the request's mean
+    protected: Callable[[int], tuple[int, int]]  # budget -> (sinks, recent) kept whatever their score
+    selection: Selection
+    shard: HeadShard
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Rows of `LayerToSelect` padded to one [R, Hkv, T] batch."""
+
+    scores: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor | None  # [R, 1, T] False for padding (None: no padding)
+    lengths: list[int]  # tokens per row
+
+    @classmethod
+    def of(cls, layers: list[LayerToSelect]) -> Batch:
+        lengths = [layer.scores.shape[-1] for layer in layers]
+        widest = max(lengths)
+        if min(lengths) == widest:
+            return cls(torch.stack([layer.scores for layer in layers]),
+                       torch.stack([layer.positions for layer in layers]), None, lengths)
+        # Padding: no score, a position after every token (last in logical order).
+        scores = torch.stack([torch.nn.functional.pad(layer.scores.float(), (0, widest - n), value=float("-inf"))
+                              for layer, n in zip(layers, lengths)])
+        positions = torch.stack([torch.nn.functional.pad(layer.positions, (0, widest - n), value=1 << 62)
+                                 for layer, n in zip(layers, lengths)])
+        steps = torch.arange(widest, device=scores.device)
+        valid = steps < upload(torch.tensor(lengths, dtype=torch.int64), scores.device).view(-1, 1, 1)
+        return cls(scores, positions, valid, lengths)
+
+    def protection(self, layers: list[LayerToSelect], budgets: list[int]) -> tuple[int | torch.Tensor, ...]:
+        """(sinks, recent) at each row's budget: ints when every row agrees, else [R] on the device."""
+        pairs = [layer.protected(b) for layer, b in zip(layers, budgets)]
+        return tuple(values[0] if len(set(values)) == 1
+                     else upload(torch.tensor(values, dtype=torch.int64), self.scores.device)
+                     for values in zip(*pairs))
 
 
 @dataclass(frozen=True)
@@ -114,7 +162,24 @@ class Allocation(Component):
         the request's mean; `protected(b)`: the (sinks, recent) tokens kept
         whatever their score at budget b.
         """
-        return Selected(select_keep(scores, positions, slots, *protected(layer_budget), selection), None)
+        return self.select_batch([LayerToSelect(scores, positions, slots, layer_budget, budget, protected,
+                                                selection, shard)])[0]
+
+    def batch_key(self) -> Hashable:
+        """Layers whose allocations give the same key (and whose selections are
+        equal) are selected in one batch."""
+        return Allocation  # every allocation but per_head selects by a layer's slots alone
+
+    def select_batch(self, layers: list[LayerToSelect]) -> list[Selected]:
+        """Each layer's kept tokens, selected as one [R, Hkv, T] batch on the
+        device (rows of one `batch_key` and one selection; their lengths,
+        slots and protected tokens may differ)."""
+        batch = Batch.of(layers)
+        sinks, recent = batch.protection(layers, [layer.layer_budget for layer in layers])
+        ranked = rank_scores(batch.scores, batch.positions, sinks, recent, layers[0].selection, batch.valid)
+        keep = [min(layer.slots, n) for layer, n in zip(layers, batch.lengths)]
+        keep_idx = select_ranked(ranked, keep, batch.valid)
+        return [Selected(keep_idx[r, :, :k], None) for r, k in enumerate(keep)]
 
 
 class Uniform(Allocation):  # no parameters: the base's dataclass serves
@@ -219,33 +284,44 @@ class PerHead(Allocation):
 
     def prompt_budgets(self, prompt: ObservedPrompt, budget: int, min_budget: int) -> torch.Tensor:
         # A layer holds as many slots as its fullest head keeps.
-        return torch.stack([self.head_counts(prompt.ranked_scores(layer), budget).max()
+        return torch.stack([self.head_counts(prompt.ranked_scores(layer)[None], [budget]).max()
                             for layer in range(prompt.num_layers)])
 
-    def select(self, scores: torch.Tensor, positions: torch.Tensor, *, slots: int, layer_budget: int, budget: int,
-               protected: Callable[[int], tuple[int, int]], selection: Selection, shard: HeadShard) -> Selected:
-        # Heads share the request's budget: protection at it, not at the fullest head's.
-        sinks, recent = protected(budget)
-        ranked = rank_scores(scores, positions, sinks, recent, selection)
-        # One top-k over the layer's heads: the other ranks' heads take part.
-        counts = shard.mine(self.head_counts(shard.all_heads(ranked), budget), ranked.shape[0])
-        keep_idx, dead = select_keep_per_head(ranked, counts, slots)
-        return Selected(keep_idx, dead)  # a mask even where every head is full: not read on the host
+    def batch_key(self) -> Hashable:
+        return self  # alpha sets the counts
 
-    def head_counts(self, ranked: torch.Tensor, budget: int) -> torch.Tensor:
-        """[Hkv, T] ranked scores (protected tokens +inf) -> [Hkv] tokens each head keeps."""
+    def select_batch(self, layers: list[LayerToSelect]) -> list[Selected]:
+        batch = Batch.of(layers)
+        budgets = [layer.budget for layer in layers]
+        # Heads share the request's budget: protection at it, not at the fullest head's.
+        sinks, recent = batch.protection(layers, budgets)
+        ranked = rank_scores(batch.scores, batch.positions, sinks, recent, layers[0].selection, batch.valid)
+        # One top-k over a layer's heads: the other ranks' heads take part.
+        shard = layers[0].shard
+        counts = self.head_counts(shard.all_heads(ranked.transpose(0, 1)).transpose(0, 1), budgets,
+                                  batch.valid, batch.lengths)
+        counts = shard.mine(counts.transpose(0, 1), ranked.shape[1]).transpose(0, 1)
+        keep = [min(layer.slots, n) for layer, n in zip(layers, batch.lengths)]
+        keep_idx, dead = select_keep_per_head(ranked, counts, keep, batch.valid)
+        # A mask even where every head is full: not read on the host.
+        return [Selected(keep_idx[r, :, :k], dead[r, :, :k]) for r, k in enumerate(keep)]
+
+    def head_counts(self, ranked: torch.Tensor, budgets: list[int], valid: torch.Tensor | None = None,
+                    lengths: list[int] | None = None) -> torch.Tensor:
+        """[R, Hkv, T] ranked scores (protected tokens +inf; `valid` False:
+        padding, row r holding lengths[r] tokens) -> [R, Hkv] tokens each head keeps."""
         # methods.md: the global top (num_kv_heads * budget) over all heads'
         # scores, after each head's own top (alpha * budget).
-        num_heads, num_tokens = ranked.shape
-        floor = min(int(self.alpha * budget), num_tokens)
-        total = min(budget, num_tokens) * num_heads
-        own = torch.zeros_like(ranked, dtype=torch.bool)
-        own.scatter_(1, best(ranked, floor), True)
-        rest = ranked.masked_fill(own, float("-inf")).flatten()
-        shared = best(rest[None], total - floor * num_heads)[0] // num_tokens
-        # scatter_add, not bincount: its output size is known without reading the data.
-        extra = torch.zeros(num_heads, dtype=torch.int64, device=ranked.device)
-        return floor + extra.scatter_add_(0, shared, torch.ones_like(shared))
+        rows, num_heads, num_tokens = ranked.shape
+        lengths = lengths or [num_tokens] * rows
+        floor = [min(int(self.alpha * b), n) for b, n in zip(budgets, lengths)]
+        shared = [(min(b, n) - f) * num_heads for b, n, f in zip(budgets, lengths, floor)]
+        floors = upload(torch.tensor(floor, dtype=torch.int64), ranked.device).view(-1, 1)
+        own = token_ranks(ranked, valid) < floors[..., None]
+        rest = ~own if valid is None else valid & ~own
+        picked = token_ranks(ranked.reshape(rows, -1), rest.reshape(rows, -1)) < upload(
+            torch.tensor(shared, dtype=torch.int64), ranked.device).view(-1, 1)
+        return floors + picked.view(rows, num_heads, num_tokens).sum(-1)
 
 
 def water_fill(wants: list[float], cap: float) -> list[float]:

@@ -6,7 +6,8 @@ here: each read is counted by its reason (`COUNTS`), a test counts them in a
 real engine (per step a small constant, none per layer in the attention
 hooks), and another keeps `.item()`, `.tolist()`, `.cpu()` and friends out of
 the rest of the package (tests/test_device_selection.py). Host data (vLLM's CPU
-arrays, the plan's numbers) never needs it.
+arrays, the plan's numbers) never needs it. The other way, host numbers go to
+the device through `upload` (pinned, asynchronous: no wait either).
 """
 
 from __future__ import annotations
@@ -27,3 +28,11 @@ def read(tensor: torch.Tensor, why: str) -> torch.Tensor:
 def read_list(tensor: torch.Tensor, why: str) -> list:
     """`tensor` as (nested) Python numbers: one transfer, counted under `why`."""
     return read(tensor, why).tolist()
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA through pinned memory, asynchronously:
+    a copy from pageable memory would wait for the device (a host sync)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -10,13 +10,13 @@ cache, the reference's dense tensors) is the caller's business.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
 
 from . import host_reads
-from .budgets import Selected
+from .budgets import LayerToSelect, Selected
 from .merge import MergedTensor
 from .plan import CompressionPlan
 from .scorers import Observation
@@ -239,19 +239,45 @@ class RequestTokens:
         `keys`: the layer's cached keys [Hkv, T, D] (or what loads them, once,
         when the scorer reads them). Layers whose scores are equal (the
         scorer's `scores_key`) get the same tensor within one compaction
-        (callers reuse what they derive from it).
+        (callers reuse what they derive from it). The worker selects every
+        compacting request's layer in one batch instead: `to_select`, the
+        allocation's `select_batch`, then `take_selection`.
         """
+        pending = self.to_select(layer, keep, keys)
+        selected = None if pending is None else self.plan.allocation.select_batch([pending])[0]
+        return self.take_selection(layer, keep, selected)
+
+    def to_select(self, layer: int, keep: int, keys: KeySource = None) -> LayerToSelect | None:
+        """What this layer's selection needs (its scores, scored now), or None
+        when it is already known: the upper layer of a merged pair (its
+        pair's), a layer whose scores equal the last selected layer's."""
+        if layer in self.lower_of or self._last_selected is not None and self._last_key == self._key(layer, keep):
+            return None
+        scores, positions = self._scores(layer, keys)
+        upper = self._upper_of(layer)
+        if upper is not None:  # one selection for the pair, from both layers' scores
+            scores = scores + self._scores(upper)[0]
+        return LayerToSelect(scores, positions, slots=keep, layer_budget=keep - self.plan.protected_len,
+                             budget=self.plan.budget, protected=self._protected, selection=self.plan.selection,
+                             shard=self.shard)
+
+    def take_selection(self, layer: int, keep: int, selected: Selected | None) -> torch.Tensor:
+        """Record this layer's selection (None: the one `to_select` found known)
+        and return its kept indices [Hkv, keep]."""
         if layer in self.lower_of:  # the upper layer of a merged pair: the pair's selection
             return self._pair_keep.pop(layer)
-        key = (self.scorer.scores_key(layer), self.num_compressions, keep)
-        if self._last_selected is None or self._last_key != key:
-            self._last_key, self._last_selected = key, self._select(layer, keep, keys)
-        selected = self._last_selected
-        self._dead_after[layer] = selected.dead
+        if selected is not None:
+            self._last_key, self._last_selected = self._key(layer, keep), selected
+        if self._last_selected is None:
+            raise RuntimeError(f"kv_compress: layer {layer} has no selection")
+        self._dead_after[layer] = self._last_selected.dead
         upper = self._upper_of(layer)
         if upper is not None:
-            self._pair_keep[upper] = selected.keep_idx
-        return selected.keep_idx
+            self._pair_keep[upper] = self._last_selected.keep_idx
+        return self._last_selected.keep_idx
+
+    def _key(self, layer: int, keep: int) -> tuple:
+        return (self.scorer.scores_key(layer), self.num_compressions, keep)
 
     def _upper_of(self, layer: int) -> int | None:
         """The upper layer of the merged pair whose lower layer this is."""
@@ -262,15 +288,6 @@ class RequestTokens:
         protected start); the protected start counts as sinks."""
         sinks, recent = self.scorer.protected(budget)
         return max(sinks, self.plan.protected_len), recent
-
-    def _select(self, layer: int, keep: int, keys: KeySource) -> Selected:
-        scores, positions = self._scores(layer, keys)
-        upper = self._upper_of(layer)
-        if upper is not None:  # one selection for the pair, from both layers' scores
-            scores = scores + self._scores(upper)[0]
-        return self.plan.allocation.select(
-            scores, positions, slots=keep, layer_budget=keep - self.plan.protected_len, budget=self.plan.budget,
-            protected=self._protected, selection=self.plan.selection, shard=self.shard)
 
     def _scores(self, layer: int, keys: KeySource = None) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self.positions(layer)
@@ -325,19 +342,44 @@ def score_bytes_per_kv_byte(num_q_heads: int, num_kv_heads: int, head_dim: int, 
     return 4 * num_q_heads / (2 * num_kv_heads * head_dim * kv_bytes)
 
 
-def selection_scratch_bytes(max_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
-    """Most bytes one layer's selection of one request holds at once on the
-    device, beyond the persistent scores: compaction selects one (request,
-    layer) at a time, so this bounds the whole step's transient scratch.
+# Padded tokens (rows x the widest row) one batched selection takes at most:
+# a layer's selection over many requests is split into batches this large
+# (a longer request alone is a batch), which bounds its scratch.
+SELECTION_BATCH_TOKENS = 1 << 16
 
-    Per cached token: the scores' copy and reductions (16 B per query head:
-    float32 copy, sum and pooled forms), the ranking (64 B per KV head:
-    sort values and indices, positions, inverse permutation, masks), and the
-    dense float32 keys and values a key-reading scorer or a MiniCache pair
+
+def selection_batches(rows: list[tuple[Hashable, int]]) -> list[list[int]]:
+    """Rows (batch key, tokens) -> batches of row indices: rows of one key,
+    in order, each batch at most SELECTION_BATCH_TOKENS padded tokens."""
+    by_key: dict[Hashable, list[list[int]]] = {}
+    widest: dict[Hashable, int] = {}
+    for i, (key, tokens) in enumerate(rows):
+        batches = by_key.setdefault(key, [[]])
+        wide = max(widest.get(key, 0), tokens)
+        if batches[-1] and (len(batches[-1]) + 1) * wide > SELECTION_BATCH_TOKENS:
+            batches.append([])
+            wide = tokens
+        batches[-1].append(i)
+        widest[key] = wide
+    return [batch for batches in by_key.values() for batch in batches]
+
+
+def selection_scratch_bytes(max_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Most bytes a step's selection holds at once on the device, beyond the
+    persistent scores: compaction selects a layer's requests batch by batch
+    (`selection_batches`), scoring one request at a time.
+
+    Per cached token of the request being scored: the scores' copy and
+    reductions (16 B per query head: float32 copy, sum and pooled forms) and
+    the dense float32 keys and values a key-reading scorer or a MiniCache pair
     gathers (2 x 4 B per KV head and dimension); plus R-KV's similarity block
-    (`REDUNDANCY_ELEMENTS` x 8 B: the float32 block, its masks and argmax)."""
+    (`REDUNDANCY_ELEMENTS` x 8 B: the float32 block, its masks and argmax).
+    Per padded token of the batch (at most max(max_tokens,
+    SELECTION_BATCH_TOKENS)): its scores and positions (12 B per KV head) and
+    the ranking (64 B per KV head: sort keys and indices, inverse
+    permutation, masks)."""
     from .scorers.rkv import REDUNDANCY_ELEMENTS
 
-    per_token = 16 * num_q_heads + 64 * num_kv_heads + 8 * num_kv_heads * head_dim
-    return max_tokens * per_token + 8 * REDUNDANCY_ELEMENTS
+    scoring = max_tokens * (16 * num_q_heads + 8 * num_kv_heads * head_dim) + 8 * REDUNDANCY_ELEMENTS
+    return scoring + max(max_tokens, SELECTION_BATCH_TOKENS) * 76 * num_kv_heads
 

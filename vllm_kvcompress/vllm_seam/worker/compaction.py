@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...budgets import LayerToSelect, Selected
+from ...host_reads import upload
 from ...schedule import cdiv
 from ...step_records import Compaction
-from ...token_state import MergedUpper, RequestTokens
-from .step_inputs import padded, upload
+from ...token_state import MergedUpper, RequestTokens, selection_batches
+from .step_inputs import padded
 
 if TYPE_CHECKING:
     from .state import WorkerCompression
@@ -89,17 +91,7 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
     for layer in range(worker.num_layers):
         g = worker.group_of_layer[layer]
         keys, values = worker.views(worker.layers[layer].kv_cache)
-        keeps: list[torch.Tensor | None] = [None] * len(compactions)
-        for i, (c, state) in enumerate(zip(compactions, states)):
-            if not live[i] or state is None:
-                continue
-            with worker.isolated(c.request_id, "selection"):
-                # Scorers that read the cached keys (R-KV's redundancy) get them dense.
-                def dense(cache=keys, table=tables[g][i], length=c.old_lengths[g]) -> torch.Tensor:
-                    return worker.ops.gather_dense(cache, table, length)
-
-                keeps[i] = state.select(layer, c.new_lengths[g], dense)
-            live[i] = keeps[i] is not None
+        keeps = _select_layer(worker, compactions, states, live, layer, keys, tables[g])
         selected = {i: k for i, k in enumerate(keeps) if k is not None and live[i] and layer not in merging[i]}
         batch = list(selected)
         if batch:
@@ -144,6 +136,57 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
                 table = worker.runner.input_batch.block_table[worker.vllm_groups[g]]
                 table.clear_row(row)
                 table.add_row(ids[g], row)
+
+
+def _select_layer(worker: WorkerCompression, compactions: list[Compaction], states: list[RequestTokens | None],
+                  live: list[bool], layer: int, keys: torch.Tensor, table: torch.Tensor) -> list[torch.Tensor | None]:
+    """The kept indices [Hkv, new length] of this layer for every live
+    request (None: failed), selected in batches: requests whose allocations
+    and selections select alike share one [R, Hkv, T] selection on the
+    device; each request is scored on its own (scorers differ)."""
+    g = worker.group_of_layer[layer]
+    keeps: list[torch.Tensor | None] = [None] * len(compactions)
+    selecting = {i: state for i, state in enumerate(states) if live[i] and state is not None}
+    rows = list(selecting)
+    batches = selection_batches([((selecting[i].plan.allocation.batch_key(), selecting[i].plan.selection),
+                                  compactions[i].old_lengths[g]) for i in rows])
+    for batch in ([rows[j] for j in b] for b in batches):
+        pending: dict[int, LayerToSelect | None] = {}
+        for i in batch:
+            c = compactions[i]
+            with worker.isolated(c.request_id, "selection"):
+                # Scorers that read the cached keys (R-KV's redundancy) get them dense.
+                def dense(table=table[i], length=c.old_lengths[g]) -> torch.Tensor:
+                    return worker.ops.gather_dense(keys, table, length)
+
+                pending[i] = selecting[i].to_select(layer, c.new_lengths[g], dense)
+        to_select = {i: p for i, p in pending.items() if p is not None}
+        selected = _select_batch(worker, compactions, selecting, to_select) if to_select else {}
+        for i in pending:
+            c = compactions[i]
+            if c.request_id in worker.failed:
+                continue
+            with worker.isolated(c.request_id, "selection"):
+                keeps[i] = selecting[i].take_selection(layer, c.new_lengths[g], selected.get(i))
+    for i in rows:
+        live[i] = keeps[i] is not None
+    return keeps
+
+
+def _select_batch(worker: WorkerCompression, compactions: list[Compaction], states: dict[int, RequestTokens],
+                  pending: dict[int, LayerToSelect]) -> dict[int, Selected]:
+    """One allocation's `select_batch` over these rows (one batch key); if it
+    raises, each row alone, so that one request's failure fails it alone."""
+    rows = list(pending)
+    allocation = states[rows[0]].plan.allocation
+    try:
+        return dict(zip(rows, allocation.select_batch([pending[i] for i in rows])))
+    except Exception:  # noqa: BLE001 - found out row by row below
+        selected = {}
+        for i in rows:
+            with worker.isolated(compactions[i].request_id, "selection"):
+                selected[i] = allocation.select_batch([pending[i]])[0]
+        return selected
 
 
 def _merge_pair(worker: WorkerCompression, c: Compaction, state: RequestTokens, lower: int, upper: int,

@@ -15,19 +15,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ...host_reads import upload
 from ...token_state import RequestTokens
 
 if TYPE_CHECKING:
     from .attention_passes import StepPasses
     from .state import WorkerCompression
-
-
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`. To CUDA through pinned memory, asynchronously:
-    a copy from pageable memory would wait for the device (a host sync)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def padded(rows, device: torch.device) -> torch.Tensor:
