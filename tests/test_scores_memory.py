@@ -19,7 +19,12 @@ import torch
 from vllm_kvcompress.config import CONFIG_KEY, KVCompressConfig
 from vllm_kvcompress.plan import resolve_plan
 from vllm_kvcompress.scorers.rkv import REDUNDANCY_ELEMENTS
-from vllm_kvcompress.token_state import RequestTokens, score_bytes_per_kv_byte, selection_scratch_bytes
+from vllm_kvcompress.token_state import (
+    SELECTION_BATCH_TOKENS,
+    RequestTokens,
+    score_bytes_per_kv_byte,
+    selection_scratch_bytes,
+)
 from vllm_kvcompress.vllm_seam.patches import PATCHES
 from vllm_kvcompress.vllm_seam.worker import startup
 
@@ -55,7 +60,9 @@ def test_cuda_kv_cache_leaves_room_for_scores():
     # 32 query heads, 8 KV heads, head_dim 128, bf16: scores are 1/32 of the KV
     # bytes; the selection's scratch at max_model_len is held aside first.
     scratch = selection_scratch_bytes(MAX_LEN, 32, 8, 128)
-    assert scratch == MAX_LEN * (16 * 32 + 64 * 8 + 8 * 8 * 128) + 8 * REDUNDANCY_ELEMENTS  # 320 MiB at 32k
+    # Scoring one request at a time, then a batch of at most SELECTION_BATCH_TOKENS padded tokens: 342 MiB at 32k.
+    assert scratch == (MAX_LEN * (16 * 32 + 8 * 8 * 128) + 8 * REDUNDANCY_ELEMENTS
+                       + max(MAX_LEN, SELECTION_BATCH_TOKENS) * 76 * 8)
     kept = determine(_cuda_worker(on))
     assert kept == int((33 * GIB - scratch) / (1 + 1 / 32)) and kept + kept / 32 + scratch <= 33 * GIB
     assert determine(_cuda_worker({})) == 33 * GIB  # compression off: vLLM's number
