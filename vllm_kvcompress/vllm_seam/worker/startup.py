@@ -117,7 +117,7 @@ def wrap_determine_available_memory(original):
         model, parallel = self.model_config, self.parallel_config
         q_heads, kv_heads = model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel)
         ratio = score_bytes_per_kv_byte(q_heads, kv_heads, model.get_head_size(), model.dtype.itemsize)
-        # The selection's transient scratch is held aside too (one request's layer at a time).
+        # The selection's transient scratch is held aside too (its bound: selection_scratch_bytes).
         scratch = selection_scratch_bytes(model.max_model_len, q_heads, kv_heads, model.get_head_size())
         kept = int(max(available - scratch, 0) / (1 + ratio))
         logger.info("kv_compress: %.2f GiB of %.2f GiB left for the KV cache; %.2f GiB for scores "
