@@ -47,7 +47,7 @@ class Selection(Component):
              f"heads; valid with it: ['span', 'top']"))
 
     def adjust(self, scores: torch.Tensor, positions: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
-        """[Hkv, T] float32 scores -> the scores the top-k ranks (protected tokens are kept anyway)."""
+        """[..., Hkv, T] float32 scores -> the scores the top-k ranks (protected tokens are kept anyway)."""
         return scores
 
 
