@@ -89,7 +89,7 @@ class Batch:
         lengths = [layer.scores.shape[-1] for layer in layers]
         widest = max(lengths)
         if min(lengths) == widest:
-            return cls(torch.stack([layer.scores for layer in layers]),
+            return cls(torch.stack([layer.scores.float() for layer in layers]),
                        torch.stack([layer.positions for layer in layers]), None, lengths)
         # Padding: no score, a position after every token (last in logical order).
         scores = torch.stack([torch.nn.functional.pad(layer.scores.float(), (0, widest - n), value=float("-inf"))
