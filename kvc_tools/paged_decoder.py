@@ -13,9 +13,15 @@ worker code, driven the way vLLM drives it:
 - `WorkerCompression.before_update_states` starts request states and runs the
   step's compactions (the `compact_kv_batched` op, MiniCache merges, block
   truncation: freed blocks go back to the harness's pool);
-- `WorkerCompression.observation` builds the step's observed, fused, masked
-  and merged queries; after each layer's attention its hooks run as in
-  `vllm_seam/attention.py` (`StepPasses.after_attention`).
+- `step_passes` builds the step's observed, fused, masked and merged
+  queries; after each layer's attention its hooks run as in
+  `vllm_seam/attention.py` (`StepPasses.after_attention`);
+- requests are admitted while the blocks their plans bound fit the pool,
+  prompts chunked to a token budget per step, finished requests release
+  their blocks, as vLLM's scheduler does in the large (`generate`), which
+  `benchmarks/harness_serving.py` uses to compare settings at the same KV
+  memory; a hybrid model's sliding-window layers (`layer_types`) are vLLM's
+  uncompressed KV cache group 0.
 
 Attention itself (vLLM's kernel in the engine): prompt chunks through torch's
 SDPA over the gathered cache, decode steps through the kernel op
