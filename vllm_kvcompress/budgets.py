@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from .compat import Component, Problem, first_problem
-from .host_reads import upload
 from .limits import bounded
 from .retrieval_profile import CALIBRATE, load_profile
-from .selection import Selection, rank_scores, select_keep_per_head, select_ranked, token_ranks
+from .selection import Selection, per_request, rank_scores, select_keep_per_head, select_ranked, token_ranks
 from .sharding import HeadShard
 
 if TYPE_CHECKING:
@@ -97,14 +96,13 @@ class Batch:
         positions = torch.stack([torch.nn.functional.pad(layer.positions, (0, widest - n), value=1 << 62)
                                  for layer, n in zip(layers, lengths)])
         steps = torch.arange(widest, device=scores.device)
-        valid = steps < upload(torch.tensor(lengths, dtype=torch.int64), scores.device).view(-1, 1, 1)
+        valid = steps < per_request(lengths, scores)
         return cls(scores, positions, valid, lengths)
 
     def protection(self, layers: list[LayerToSelect], budgets: list[int]) -> tuple[int | torch.Tensor, ...]:
-        """(sinks, recent) at each row's budget: ints when every row agrees, else [R] on the device."""
+        """(sinks, recent) at each row's budget: ints when every row agrees, else [R, 1, 1] on the device."""
         pairs = [layer.protected(b) for layer, b in zip(layers, budgets)]
-        return tuple(values[0] if len(set(values)) == 1
-                     else upload(torch.tensor(values, dtype=torch.int64), self.scores.device)
+        return tuple(values[0] if len(set(values)) == 1 else per_request(list(values), self.scores)
                      for values in zip(*pairs))
 
 
@@ -316,12 +314,11 @@ class PerHead(Allocation):
         lengths = lengths or [num_tokens] * rows
         floor = [min(int(self.alpha * b), n) for b, n in zip(budgets, lengths)]
         shared = [(min(b, n) - f) * num_heads for b, n, f in zip(budgets, lengths, floor)]
-        floors = upload(torch.tensor(floor, dtype=torch.int64), ranked.device).view(-1, 1)
-        own = token_ranks(ranked, valid) < floors[..., None]
+        floors = per_request(floor, ranked)
+        own = token_ranks(ranked, valid) < floors
         rest = ~own if valid is None else valid & ~own
-        picked = token_ranks(ranked.reshape(rows, -1), rest.reshape(rows, -1)) < upload(
-            torch.tensor(shared, dtype=torch.int64), ranked.device).view(-1, 1)
-        return floors + picked.view(rows, num_heads, num_tokens).sum(-1)
+        picked = token_ranks(ranked.reshape(rows, -1), rest.reshape(rows, -1)) < per_request(shared, ranked)[..., 0]
+        return floors[..., 0] + picked.view(rows, num_heads, num_tokens).sum(-1)
 
 
 def water_fill(wants: list[float], cap: float) -> list[float]:

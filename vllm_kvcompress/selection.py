@@ -153,17 +153,12 @@ SELECTIONS: dict[str, type[Selection]] = {cls.name: cls for cls in (TopScores, S
 TOP = TopScores()
 
 
-def _per_row(value: int | torch.Tensor, like: torch.Tensor) -> int | torch.Tensor:
-    """An int, or one value per request [R] shaped to broadcast over [R, H, T]."""
-    return value if isinstance(value, int) else value.view(-1, *([1] * (like.dim() - 1)))
-
-
 def protected_mask(positions: torch.Tensor, sinks: int | torch.Tensor, recent: int | torch.Tensor,
                    valid: torch.Tensor | None = None) -> torch.Tensor:
     """[..., H, T] True for protected tokens: position < sinks, or among the
-    `recent` newest (ints, or one per request [R] for [R, H, T] inputs;
-    `valid`: False for padding, never protected)."""
-    protected = positions < _per_row(sinks, positions)
+    `recent` newest (ints, or one per request [R, 1, 1] for [R, H, T]
+    inputs, `per_request`; `valid`: False for padding, never protected)."""
+    protected = positions < sinks
     if isinstance(recent, int) and valid is None:
         if recent > 0:
             # Newest by logical position: after a compaction the physical
@@ -172,7 +167,7 @@ def protected_mask(positions: torch.Tensor, sinks: int | torch.Tensor, recent: i
         return protected
     newest = positions if valid is None else positions.masked_fill(~valid, -1)
     newest_first = _inverse(newest.argsort(dim=-1, descending=True))
-    protected |= newest_first < _per_row(recent, positions)
+    protected |= newest_first < recent
     return protected if valid is None else protected & valid
 
 
@@ -181,7 +176,7 @@ def rank_scores(scores: torch.Tensor, positions: torch.Tensor, sinks: int | torc
                 valid: torch.Tensor | None = None) -> torch.Tensor:
     """The scores the top-k ranks: adjusted by the selection, protected tokens
     at +inf, padding (`valid` False) at -inf. [H, T], or [R, H, T] with
-    `sinks` and `recent` per request."""
+    `sinks` and `recent` per request ([R, 1, 1], `per_request`)."""
     protected = protected_mask(positions, sinks, recent, valid)
     if valid is None:
         adjusted = selection.adjust(scores.to(torch.float32), positions, protected)
@@ -213,14 +208,15 @@ def select_ranked(ranked: torch.Tensor, keep: list[int], valid: torch.Tensor | N
     if widest == ranked.shape[-1] and min(keep) == widest:  # every token stays where it is
         return torch.arange(widest, device=ranked.device).expand(*ranked.shape[:-1], -1).clone()
     top = keys.topk(widest, dim=-1, sorted=True).indices
-    counts = _counts(keep, ranked)
+    counts = per_request(keep, ranked)
     slot = torch.arange(widest, device=ranked.device)
     return hole_filling_order(top.masked_fill(slot >= counts, ranked.shape[-1]), counts)
 
 
-def _counts(keep: list[int], like: torch.Tensor) -> torch.Tensor:
-    """Per-request counts [R] as [R, 1, 1] on `like`'s device (host numbers, uploaded)."""
-    return upload(torch.tensor(keep, dtype=torch.int64), like.device).view(-1, 1, 1)
+def per_request(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    """One host number per request as [R, 1, 1] on `like`'s device (uploaded,
+    no wait), to broadcast over an [R, H, T] batch."""
+    return upload(torch.tensor(values, dtype=torch.int64), like.device).view(-1, 1, 1)
 
 
 def select_keep_per_head(ranked: torch.Tensor, counts: torch.Tensor, keep: list[int],
@@ -235,7 +231,7 @@ def select_keep_per_head(ranked: torch.Tensor, counts: torch.Tensor, keep: list[
     """
     num_tokens = ranked.shape[-1]
     widest = max(keep)
-    slots = _counts(keep, ranked)
+    slots = per_request(keep, ranked)
     counts = torch.minimum(counts.to(ranked.device), slots[..., 0])
     # Fixed shapes only (no per-head loop, nothing read on the host).
     kept = token_ranks(ranked, valid) < counts[..., None]
@@ -247,7 +243,7 @@ def select_keep_per_head(ranked: torch.Tensor, counts: torch.Tensor, keep: list[
     chosen_idx = torch.sort((~chosen).to(torch.int8), dim=-1, stable=True).indices[..., :widest]
     slot = torch.arange(widest, device=ranked.device)
     order = hole_filling_order(chosen_idx.masked_fill(slot >= slots, num_tokens), slots)
-    return order, ~torch.gather(kept, -1, order.clamp(max=num_tokens - 1))
+    return order, ~torch.gather(kept, -1, order)
 
 
 def hole_filling_order(kept: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
