@@ -122,34 +122,56 @@ def plain_ranked(scores: list[float], positions: list[int], sinks: int, recent: 
 SELECTED = [("uniform", "top"), ("uniform", "span"), ("uniform", "chunk"), ("per_head", "top"), ("per_head", "span")]
 
 
-@pytest.mark.parametrize("allocation, selection", SELECTED)
-def test_device_selection_equals_a_plain_loop_ties_included(allocation, selection):
+def selection_setup(allocation: str, selection: str):
+    """The allocation and selection modifier under test, with the parameters these tests use."""
+    params = {"span": {"span": 3, "sink_tokens": 2}, "chunk": {"chunk_length": 4}}.get(selection, {})
+    return ALLOCATIONS[allocation](**({"alpha": 0.3} if allocation == "per_head" else {})), \
+        SELECTIONS[selection](**params)
+
+
+def random_layer(gen, allocation: str, select_with, heads: int = 3):
+    """A random layer to select (few score values: many ties) and methods.md's
+    answer for it: (LayerToSelect, ranked per head, counts per head, slots)."""
+    from vllm_kvcompress.budgets import LayerToSelect
     from vllm_kvcompress.sharding import ONE_DEVICE
 
+    tokens = int(torch.randint(6, 40, (1,), generator=gen))
+    scores = torch.randint(0, 4, (heads, tokens), generator=gen).float()
+    positions = torch.stack([torch.randperm(tokens, generator=gen) for _ in range(heads)])
+    sinks, recent = int(torch.randint(0, 3, (1,), generator=gen)), int(torch.randint(0, 3, (1,), generator=gen))
+    budget = int(torch.randint(sinks + recent + 1, tokens + 1, (1,), generator=gen))
+    ranked = [plain_ranked(scores[h].tolist(), positions[h].tolist(), sinks, recent, select_with)
+              for h in range(heads)]
+    if allocation == "per_head":
+        counts = plain_head_counts(ranked, budget, 0.3)
+        slots = max(counts)
+    else:
+        counts, slots = [budget] * heads, budget
+    layer = LayerToSelect(scores, positions, slots=slots, layer_budget=budget, budget=budget,
+                          protected=lambda b, fixed=(sinks, recent): fixed, selection=select_with, shard=ONE_DEVICE)
+    return layer, ranked, counts, slots
+
+
+def assert_plain_selection(got, ranked, counts, slots, where) -> None:
+    """Each head keeps methods.md's tokens, in hole-filling order (a kept
+    token below the new length stays in its slot)."""
+    assert got.keep_idx.shape == (len(ranked), slots), where
+    for h in range(len(ranked)):
+        live = got.keep_idx[h] if got.dead is None else got.keep_idx[h][~got.dead[h]]
+        assert sorted(live.tolist()) == sorted(plain_best(ranked[h], counts[h])), (where, h)
+        assert all(int(i) == j for j, i in enumerate(got.keep_idx[h].tolist()) if i < slots), (where, h)
+
+
+@pytest.mark.parametrize("allocation, selection", SELECTED)
+def test_device_selection_equals_a_plain_loop_ties_included(allocation, selection):
+    alloc, select_with = selection_setup(allocation, selection)
     gen = torch.Generator().manual_seed(7)
-    params = {"span": {"span": 3, "sink_tokens": 2}, "chunk": {"chunk_length": 4}}.get(selection, {})
-    select_with = SELECTIONS[selection](**params)
-    alloc = ALLOCATIONS[allocation](**({"alpha": 0.3} if allocation == "per_head" else {}))
     for trial in range(60):
-        heads, tokens = 3, int(torch.randint(6, 40, (1,), generator=gen))
-        scores = torch.randint(0, 4, (heads, tokens), generator=gen).float()  # few values: many ties
-        positions = torch.stack([torch.randperm(tokens, generator=gen) for _ in range(heads)])
-        sinks, recent = int(torch.randint(0, 3, (1,), generator=gen)), int(torch.randint(0, 3, (1,), generator=gen))
-        budget = int(torch.randint(sinks + recent + 1, tokens + 1, (1,), generator=gen))
-        ranked = [plain_ranked(scores[h].tolist(), positions[h].tolist(), sinks, recent, select_with)
-                  for h in range(heads)]
-        if allocation == "per_head":
-            counts = plain_head_counts(ranked, budget, 0.3)
-            slots = max(counts)
-        else:
-            counts, slots = [budget] * heads, budget
-        got = alloc.select(scores, positions, slots=slots, layer_budget=budget, budget=budget,
-                           protected=lambda b, fixed=(sinks, recent): fixed, selection=select_with, shard=ONE_DEVICE)
-        for h in range(heads):
-            live = got.keep_idx[h] if got.dead is None else got.keep_idx[h][~got.dead[h]]
-            assert sorted(live.tolist()) == sorted(plain_best(ranked[h], counts[h])), (trial, h)
-            # Hole-filling order: a kept token below the new length stays in its slot.
-            assert all(int(i) == j for j, i in enumerate(got.keep_idx[h].tolist()) if i < slots), (trial, h)
+        layer, ranked, counts, slots = random_layer(gen, allocation, select_with)
+        got = alloc.select(layer.scores, layer.positions, slots=layer.slots, layer_budget=layer.layer_budget,
+                           budget=layer.budget, protected=layer.protected, selection=select_with,
+                           shard=layer.shard)
+        assert_plain_selection(got, ranked, counts, slots, trial)
 
 
 @pytest.mark.parametrize("allocation, selection", SELECTED)
@@ -157,39 +179,14 @@ def test_batched_selection_equals_a_plain_loop_per_request(allocation, selection
     """One `select_batch` over requests of different lengths, slots, budgets
     and protected tokens (the worker's per-layer batch) gives each request
     methods.md's selection (ties included), as a plain loop over the requests."""
-    from vllm_kvcompress.budgets import LayerToSelect
-    from vllm_kvcompress.sharding import ONE_DEVICE
-
+    alloc, select_with = selection_setup(allocation, selection)
     gen = torch.Generator().manual_seed(11)
-    params = {"span": {"span": 3, "sink_tokens": 2}, "chunk": {"chunk_length": 4}}.get(selection, {})
-    select_with = SELECTIONS[selection](**params)
-    alloc = ALLOCATIONS[allocation](**({"alpha": 0.3} if allocation == "per_head" else {}))
     for trial in range(25):
-        heads, layers, want = 3, [], []
-        for _ in range(int(torch.randint(1, 6, (1,), generator=gen))):
-            tokens = int(torch.randint(6, 40, (1,), generator=gen))
-            scores = torch.randint(0, 4, (heads, tokens), generator=gen).float()  # few values: many ties
-            positions = torch.stack([torch.randperm(tokens, generator=gen) for _ in range(heads)])
-            sinks, recent = int(torch.randint(0, 3, (1,), generator=gen)), int(torch.randint(0, 3, (1,), generator=gen))
-            budget = int(torch.randint(sinks + recent + 1, tokens + 1, (1,), generator=gen))
-            ranked = [plain_ranked(scores[h].tolist(), positions[h].tolist(), sinks, recent, select_with)
-                      for h in range(heads)]
-            if allocation == "per_head":
-                counts = plain_head_counts(ranked, budget, 0.3)
-                slots = max(counts)
-            else:
-                counts, slots = [budget] * heads, budget
-            layers.append(LayerToSelect(scores, positions, slots=slots, layer_budget=budget, budget=budget,
-                                        protected=lambda b, fixed=(sinks, recent): fixed, selection=select_with,
-                                        shard=ONE_DEVICE))
-            want.append((ranked, counts, slots))
-        got = alloc.select_batch(layers)
-        for r, (selected, (ranked, counts, slots)) in enumerate(zip(got, want)):
-            assert selected.keep_idx.shape == (heads, slots), (trial, r)
-            for h in range(heads):
-                live = selected.keep_idx[h] if selected.dead is None else selected.keep_idx[h][~selected.dead[h]]
-                assert sorted(live.tolist()) == sorted(plain_best(ranked[h], counts[h])), (trial, r, h)
-                assert all(int(i) == j for j, i in enumerate(selected.keep_idx[h].tolist()) if i < slots)
+        cases = [random_layer(gen, allocation, select_with) for _ in range(int(torch.randint(1, 6, (1,),
+                                                                                             generator=gen)))]
+        got = alloc.select_batch([layer for layer, *_ in cases])
+        for r, (selected, (_, ranked, counts, slots)) in enumerate(zip(got, cases)):
+            assert_plain_selection(selected, ranked, counts, slots, (trial, r))
 
 
 def test_selection_batches_bound_the_padded_tokens():
