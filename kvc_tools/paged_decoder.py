@@ -203,7 +203,8 @@ class PagedDecoder:
         plans = {rid: RequestSchedule.create(resolve_plan(config, len(prompt), len(self.compressed), bs),
                                              group_of_layer)
                  for rid, prompt, config in zip(ids, prompts, configs)}
-        total = {rid: len(prompt) + max_new_tokens for rid, prompt in zip(ids, prompts)}
+        prompt_of = dict(zip(ids, prompts))
+        total = {rid: len(prompt) + max_new_tokens for rid, prompt in prompt_of.items()}
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         logical = dict.fromkeys(ids, 0)
         waiting, running, finished = list(ids), list[str](), list[str]()
@@ -249,8 +250,8 @@ class PagedDecoder:
                     free.extend(before[len(after):])
             step_ids, chunks = [], []
             budget = max_batched_tokens
-            for rid in sorted(running, key=lambda r: logical[r] < len(prompts[ids.index(r)])):  # decodes first
-                prompt, pos = prompts[ids.index(rid)], logical[rid]
+            for rid in sorted(running, key=lambda r: logical[r] < len(prompt_of[r])):  # decodes first
+                prompt, pos = prompt_of[rid], logical[rid]
                 if pos < len(prompt):
                     cap = plans[rid].tokens_until_due(pos)
                     end = len(prompt) if cap is None else pos + cap
@@ -281,7 +282,7 @@ class PagedDecoder:
             worker.reported = []
             for rid, chunk, token in zip(step_ids, chunks, sampled):
                 logical[rid] += len(chunk)
-                if logical[rid] >= len(prompts[ids.index(rid)]):
+                if logical[rid] >= len(prompt_of[rid]):
                     tokens[rid].append(int(token))
                 if len(tokens[rid]) == max_new_tokens:
                     state = worker.states.get(rid)
