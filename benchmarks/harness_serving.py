@@ -74,8 +74,9 @@ def run_setting(decoder: PagedDecoder, prompts, new_tokens: int, config, max_bat
     sec, cnt = times.seconds, times.counts
     decode_steps = cnt.get("decode_steps", 0)
     decode_time = sec.get("decode_step", 0.0)
-    # The parts of decode-only steps (attention, hooks and compaction are summed
-    # over all steps; decode-only steps' share is what the split reports).
+    # Attention, hooks and compaction are timed in every step: their split is a
+    # mean over all steps (prompt steps included), as the table says.
+    steps = max(cnt.get("steps", 0), 1)
     row = {
         "requests": len(prompts),
         "new_tokens": new_tokens * len(prompts),
@@ -84,9 +85,9 @@ def run_setting(decoder: PagedDecoder, prompts, new_tokens: int, config, max_bat
         "decode_steps": decode_steps,
         "decode_tokens_per_s": cnt.get("decode_tokens", 0) / decode_time if decode_time else None,
         "decode_step_ms": 1e3 * decode_time / decode_steps if decode_steps else None,
-        "attention_ms_per_step": 1e3 * sec.get("attention", 0.0) / max(cnt.get("steps", 1), 1),
-        "hooks_ms_per_step": 1e3 * sec.get("hooks", 0.0) / max(cnt.get("steps", 1), 1),
-        "compaction_ms_per_step": 1e3 * sec.get("compaction", 0.0) / max(cnt.get("steps", 1), 1),
+        "attention_ms_per_step": 1e3 * sec.get("attention", 0.0) / steps,
+        "hooks_ms_per_step": 1e3 * sec.get("hooks", 0.0) / steps,
+        "compaction_ms_per_step": 1e3 * sec.get("compaction", 0.0) / steps,
         "steps": cnt.get("steps", 0),
         "most_running": cnt.get("most_running", 0),
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -174,7 +175,7 @@ def main(argv=None) -> dict:
     rows = {}
     for name, config in chosen.items():
         rows[name] = run_setting(decoder, prompts, args.new_tokens, config, args.max_batched_tokens)
-        print(name, json.dumps({k: v for k, v in rows[name].items()}, default=str), flush=True)
+        print(name, json.dumps(rows[name], default=str), flush=True)
     info = machine_info()
     meta = dict(device=str(decoder.device) + (f" {torch.cuda.get_device_name(decoder.device)}"
                                               if decoder.device.type == "cuda" else ""),
