@@ -104,9 +104,13 @@ def test_configuration_serves_exactly_the_sound_combinations(scorer, allocation,
 # ---------------------------------------------------------------- the plain re-implementation
 
 
-def attention_row(step: int, q_head: int, position: int) -> float:
-    """Synthetic attention of step `step`'s query head to the token at `position` (peaked, no ties)."""
-    return (math.sin(step * 12.9898 + q_head * 78.233 + position * 37.719) * 43758.5453 % 1.0) ** 3
+def attention_rows(step: int, length: int) -> torch.Tensor:
+    """Synthetic attention of step `step`'s query heads to positions 0..length-1
+    ([HQ, length], float64; peaked, no ties). Computed once per step and layer
+    for both sides: it is the input, not the math under test."""
+    q_head = torch.arange(HQ, dtype=torch.float64)[:, None]
+    position = torch.arange(length, dtype=torch.float64)[None, :]
+    return (torch.sin(step * 12.9898 + q_head * 78.233 + position * 37.719) * 43758.5453 % 1.0) ** 3
 
 
 def key_vector(layer: int, kv_head: int, position: int) -> list[float]:
@@ -333,16 +337,17 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
             observed_at.append(q_pos)
             for layer in range(NUM_LAYERS):
                 order = rc.positions(layer)  # [Hkv, T]: the cache order the engine scores in
-                row = torch.tensor([[attention_row(step + 1000 * layer, q, int(p)) if p <= q_pos else 0.0
-                                     for p in order[q // GROUP]] for q in range(HQ)])
+                rows = attention_rows(step + 1000 * layer, q_pos + 1)
+                by_query_head = order.repeat_interleave(GROUP, dim=0)  # [HQ, T]
+                row = torch.where(by_query_head <= q_pos, rows.gather(1, by_query_head.clamp(max=q_pos)), 0.0)
                 if scorer == "tova":  # the newest query replaces the last
                     attention[layer] = {}
+                values = rows.tolist()
                 for q in range(HQ):
                     for p in cached[layer][q // GROUP]:
                         if p <= q_pos:
-                            attention[layer][q, p] = attention[layer].get((q, p), 0.0) + \
-                                attention_row(step + 1000 * layer, q, p)
-                rc.accumulate(layer, row)
+                            attention[layer][q, p] = attention[layer].get((q, p), 0.0) + values[q][p]
+                rc.accumulate(layer, row.float())
 
     def compress_if_due() -> None:
         targets = state.next_compression(logical)
@@ -352,7 +357,7 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
         per_head_counts = None
         for layer in range(NUM_LAYERS):
             order = rc.positions(layer)
-            keys = torch.tensor([[key_vector(layer, h, int(p)) for p in order[h]] for h in range(HKV)])
+            keys = torch.tensor([[key_vector(layer, h, p) for p in row] for h, row in enumerate(order.tolist())])
             keep = rc.select(layer, targets[layer], keys)
             got = order.gather(1, keep)
             dead = rc._dead_after.get(layer)
