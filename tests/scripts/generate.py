@@ -1,5 +1,9 @@
 """Greedy generation in a fresh process, printing JSON: the route a user without
-`import vllm_kvcompress` takes. Usage: generate.py MODEL PROMPTS_JSON ENGINE_KWARGS_JSON"""
+`import vllm_kvcompress` takes. Usage: generate.py MODEL PROMPTS_JSON ENGINE_KWARGS_JSON
+
+The engine core may run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+what is checked here is which plugins this process loads; a spawned core
+loading the plugin through the entry point is what every server test runs."""
 
 import json
 import sys
@@ -12,8 +16,12 @@ if __name__ == "__main__":
               seed=0, **kwargs)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    client = llm.llm_engine.engine_core
-    stats = client.call_utility("kv_compress_stats") if "kv_compress" in kwargs.get("additional_config", {}) else None
+    stats = None
+    if "kv_compress" in kwargs.get("additional_config", {}):
+        client = llm.llm_engine.engine_core
+        # The utility call of a spawned core, or the in-process core's method.
+        stats = (client.call_utility("kv_compress_stats") if hasattr(client, "call_utility")
+                 else client.engine_core.kv_compress_stats())
     print("RESULT " + json.dumps({
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "stats": stats,
