@@ -3,10 +3,13 @@
 Every check runs against one rank, against tensor parallelism over two
 (`--tensor-parallel-size 2`, a CPU core per rank) and against data parallelism
 over two engine cores (`--data-parallel-size 2`: two schedulers, two API
-server processes, /metrics summed over both)."""
+server processes, /metrics summed over both). Each server takes its settings
+as users give them: a recipe (`--kv-compress-config`) with flags over it, and
+the resolved settings must reach every scheduler and worker process."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -23,13 +26,21 @@ TIMEOUT = 120
 PARALLEL = {"tp1": [], "tp2": ["--tensor-parallel-size", "2"], "dp2": ["--data-parallel-size", "2"]}
 
 
+# The recipe's budget and window, with flags over it: budget 64 replaces the
+# recipe's 96, kernel_size 3 is added. ENGINE is what every process must hold.
+RECIPE = "kv_compress:\n  policy: snapkv\n  budget: 96\n  window: 8\n"
+FLAGS = ["--kv-compress-budget", "64", "--kv-compress-kernel-size", "3"]
+ENGINE = {"policy": "snapkv", "budget": 64, "window": 8, "kernel_size": 3}
+
+
 @pytest.fixture(scope="module", params=sorted(PARALLEL))
 def server(request, tiny_model, tmp_path_factory):
     # Prefix caching on (vLLM's default): a repeated prompt hits it (reported
     # in the usage), and its answer is the same.
-    srv = Server(tiny_model, "--kv-compress", "snapkv", "--kv-compress-budget", "64", "--max-num-seqs", "8",
-                 "--enable-prompt-tokens-details", *PARALLEL[request.param],
-                 log=tmp_path_factory.mktemp("serve") / "serve.log",
+    folder = tmp_path_factory.mktemp("serve")
+    (folder / "recipe.yaml").write_text(RECIPE)
+    srv = Server(tiny_model, "--kv-compress-config", str(folder / "recipe.yaml"), *FLAGS, "--max-num-seqs", "8",
+                 "--enable-prompt-tokens-details", *PARALLEL[request.param], log=folder / "serve.log",
                  env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if request.param == "tp2" else None)
     srv.parallel = request.param
     yield srv
@@ -59,25 +70,43 @@ def cached_tokens(usage: dict) -> int:
 
 
 def expected_text(tiny_model, prompt, config: dict | None, new_tokens: int = 16) -> str:
+    return _expected_text(tiny_model, tuple(prompt), json.dumps(config, sort_keys=True), new_tokens)
+
+
+@functools.cache  # the same answers are wanted from each of the three servers
+def _expected_text(tiny_model, prompt, config_json: str, new_tokens: int) -> str:
     from transformers import AutoTokenizer
 
     from kvc_tools.reference_decoder import ReferenceDecoder
     from vllm_kvcompress.config import KVCompressConfig
 
+    config = json.loads(config_json)
     cfg = KVCompressConfig.from_dict(config) if config else None
-    tokens = ReferenceDecoder(tiny_model).generate(prompt, new_tokens, cfg)["tokens"]
+    tokens = ReferenceDecoder(tiny_model).generate(list(prompt), new_tokens, cfg)["tokens"]
     return AutoTokenizer.from_pretrained(tiny_model).decode(tokens)
+
+
+def test_settings_reach_every_scheduler_and_worker(server):
+    """The recipe with flags over it, resolved once, is what each engine core's
+    scheduler and each worker (every tensor-parallel rank, every data-parallel
+    engine) logs when it is ready."""
+    cores, ranks = (2, 1) if server.parallel == "dp2" else (1, 2 if server.parallel == "tp2" else 1)
+    ready = [line for line in server.output().splitlines() if "kv_compress" in line and "ready" in line]
+    schedulers = [ln for ln in ready if re.search(r"EngineCore.*scheduler ready", ln)]
+    workers = [ln for ln in ready if re.search(r"Worker.*worker ready", ln)]
+    assert len(schedulers) == cores and len(workers) == cores * ranks, ready
+    assert all(str(ENGINE) in ln for ln in schedulers + workers), ready
+    assert {re.search(r"rank (\d) of", ln).group(1) for ln in workers} == {str(r) for r in range(ranks)}
 
 
 def test_completion_chat_and_streaming(server, tiny_model):
     """The same prompt plain and streamed: the second hits the prefix cache, and
     both equal the reference decoder (a hit never changes the answer)."""
     (prompt,) = random_prompts((300,), seed=41)
-    engine = {"policy": "snapkv", "budget": 64}
     plain = complete(server, prompt)
     assert plain.status_code == 200, plain.text
     body = plain.json()
-    want = expected_text(tiny_model, prompt, engine)
+    want = expected_text(tiny_model, prompt, ENGINE)
     assert body["choices"][0]["text"] == want
     streamed = requests.post(server.url + "/v1/completions", stream=True, timeout=TIMEOUT, json={
         "model": server.model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True,
