@@ -91,10 +91,10 @@ EVERY = [*CONFIGS, PER_LAYER, HYBRID]
 EVERY_ID = ["once", "rolling", "per-head", "streamed", "per-layer", "hybrid"]
 
 
-def harness_model(configs, seed=5):
+def harness_model(configs, seed=5, num_layers=NUM_LAYERS):
     """(config, weights, batch configs) of the random Llama a configuration set runs on."""
     shape = HYBRID_SHAPE if configs is HYBRID else {}
-    cfg, weights = random_llama(seed=seed, num_hidden_layers=NUM_LAYERS, **shape)
+    cfg, weights = random_llama(seed=seed, num_hidden_layers=num_layers, **shape)
     return cfg, weights, [KVCompressConfig.from_dict(c) if c else KVCompressConfig() for c in configs]
 
 
@@ -160,7 +160,11 @@ def test_paged_harness_with_triton_ops_equals_torch_ops(configs):
     ops = _triton_ops_on_cpu()
     if ops is None:
         pytest.skip("Triton kernels already compiled for a GPU in this process")
-    cfg, weights, kv = harness_model(configs)
+    # The interpreter runs each kernel program in Python: two layers where one
+    # KV cache group holds them all (every kernel still runs at a layer above
+    # 0), four where each layer is its own group or the model is hybrid.
+    per_layer = configs is PER_LAYER or configs is HYBRID
+    cfg, weights, kv = harness_model(configs, num_layers=NUM_LAYERS if per_layer else 2)
     batch = prompts((90, 61, 75), seed=7)
     torch_run = PagedDecoder(cfg, weights, block_size=BLOCK_SIZE).generate(batch, NEW_TOKENS, kv)
     triton_run = PagedDecoder(cfg, weights, block_size=BLOCK_SIZE, ops=ops).generate(batch, NEW_TOKENS, kv)

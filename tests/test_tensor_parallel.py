@@ -46,7 +46,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def tp1(model):
-    engine = Engine(**engine_kwargs(model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS))
+    engine = Engine(in_process=True, **engine_kwargs(model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS))
     yield engine
     engine.close()
 
