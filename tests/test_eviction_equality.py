@@ -14,6 +14,7 @@ import torch
 from helpers import engine_kwargs, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.registry import POLICIES
+from vllm_kvcompress.vllm_seam.worker import attention_passes, step_inputs
 
 NEW_TOKENS = 40
 LENGTHS = (200, 97, 150, 30, 260)
@@ -174,3 +175,48 @@ def test_bad_per_request_config_fails_that_request_only(engine, override, needle
     with pytest.raises(VLLMValidationError, match=needle):
         engine.generate(prompts, 4, [override])
     assert len(engine.generate(prompts, 4)[0]) == 4  # the engine keeps serving
+
+
+# ---------------------------------------------------------------- fused decode rows
+
+FUSED_NEW_TOKENS = 24
+FUSED_CONFIGS = [
+    {"policy": "h2o", "budget": 48, "interval": 8},
+    {"policy": "tova", "budget": 40, "interval": 4},
+    {"policy": "rkv", "budget": 12, "interval": 8},
+    {"policy": "keyformer", "budget": 48, "interval": 8},  # noisy logits: scored in a separate pass
+    {"policy": "snapkv", "budget": 48},  # observes its prompt only
+    None,
+]
+FUSED = {"h2o", "tova", "rkv"}  # the plain-softmax scorers
+
+
+def test_fused_decode_rows_equal_reference_and_skip_vllms_pass(engine, reference, monkeypatch):
+    """Requests of every kind share the batch; each equals the reference
+    decoder, and the fused path (`decode_attention_with_scores`: vLLM's kernel
+    attends one key for that row, the worker writes it) carried the decode
+    steps of the plain-softmax scorers, and only theirs."""
+    fused_policies: list[str] = []
+    edited: list[tuple[list[int], list[int]]] = []  # (fused rows, their seq_lens in vLLM's metadata)
+    attend_fused, apply = attention_passes.FusedDecode.run, step_inputs.MetadataEdits.apply
+
+    def counting(self, layer, *args):
+        fused_policies.extend(r.state.plan.scorer.name for r in self.step.fused)
+        return attend_fused(self, layer, *args)
+
+    def recording(self, cm, vllm_group):
+        out = apply(self, cm, vllm_group)
+        if len(self.fused_rows):
+            edited.append((self.fused_rows.tolist(), out.seq_lens[self.fused_rows].tolist()))
+        return out
+
+    monkeypatch.setattr(attention_passes.FusedDecode, "run", counting)
+    monkeypatch.setattr(step_inputs.MetadataEdits, "apply", recording)
+    prompts = random_prompts((150, 120, 90, 140, 110, 60), seed=5)
+    # Compiled, as vLLM runs by default: the hooks inside the attention op still run every step.
+    got = engine.generate(prompts, FUSED_NEW_TOKENS, FUSED_CONFIGS)
+    for prompt, config, tokens in zip(prompts, FUSED_CONFIGS, got):
+        cfg = KVCompressConfig.from_dict(config) if config else None
+        assert tokens == reference.generate(prompt, FUSED_NEW_TOKENS, cfg, block_size=32)["tokens"], config
+    assert set(fused_policies) == FUSED
+    assert edited and all(lens == [1] * len(rows) for rows, lens in edited)

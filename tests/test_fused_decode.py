@@ -1,11 +1,10 @@
-"""Fused decode attention in the real engine (CPU_ATTN, the same code as FLASH_ATTN).
+"""Fused decode attention: the metadata edits that let vLLM's kernel attend one key
+for a fused row (CPU_ATTN, the same code as FLASH_ATTN).
 
 A decode query that a plain-softmax scorer observes (H2O, TOVA, R-KV) gets
-its attention and its scores from one op (`decode_attention_with_scores`):
-vLLM's kernel attends one key for that row (the plugin's metadata edit) and
-the worker writes the row. Requests of every kind share the batch; each must
-equal the reference decoder, and the fused path must have carried the
-decode steps of the plain-softmax scorers, and only theirs.
+its attention and its scores from one op (`decode_attention_with_scores`).
+In the real engine (its compiled engine is shared):
+tests/test_eviction_equality.py::test_fused_decode_rows_equal_reference_and_skip_vllms_pass.
 """
 
 from __future__ import annotations
@@ -13,51 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import engine_kwargs, in_process_engine, random_prompts
-from vllm_kvcompress.config import KVCompressConfig
-from vllm_kvcompress.vllm_seam.worker import attention_passes, step_inputs
-
-NEW_TOKENS = 24
-CONFIGS = [
-    {"policy": "h2o", "budget": 48, "interval": 8},
-    {"policy": "tova", "budget": 40, "interval": 4},
-    {"policy": "rkv", "budget": 12, "interval": 8},
-    {"policy": "keyformer", "budget": 48, "interval": 8},  # noisy logits: scored in a separate pass
-    {"policy": "snapkv", "budget": 48},  # observes its prompt only
-    None,
-]
-FUSED = {"h2o", "tova", "rkv"}
-
-
-def test_fused_decode_rows_equal_reference_and_skip_vllms_pass(tiny_model, monkeypatch):
-    from kvc_tools.reference_decoder import ReferenceDecoder
-
-    fused_policies: list[str] = []
-    edited: list[tuple[list[int], list[int]]] = []  # (fused rows, their seq_lens in vLLM's metadata)
-    attend_fused, apply = attention_passes.FusedDecode.run, step_inputs.MetadataEdits.apply
-
-    def counting(self, layer, *args):
-        fused_policies.extend(r.state.plan.scorer.name for r in self.step.fused)
-        return attend_fused(self, layer, *args)
-
-    def recording(self, cm, vllm_group):
-        out = apply(self, cm, vllm_group)
-        if len(self.fused_rows):
-            edited.append((self.fused_rows.tolist(), out.seq_lens[self.fused_rows].tolist()))
-        return out
-
-    monkeypatch.setattr(attention_passes.FusedDecode, "run", counting)
-    monkeypatch.setattr(step_inputs.MetadataEdits, "apply", recording)
-    prompts = random_prompts((150, 120, 90, 140, 110, 60), seed=5)
-    # Compiled, as vLLM runs by default: the hooks inside the attention op still run every step.
-    with in_process_engine(**engine_kwargs(tiny_model, kv_compress="none", enforce_eager=False)) as engine:
-        got = engine.generate(prompts, NEW_TOKENS, CONFIGS)
-    reference = ReferenceDecoder(tiny_model)
-    for prompt, config, tokens in zip(prompts, CONFIGS, got):
-        cfg = KVCompressConfig.from_dict(config) if config else None
-        assert tokens == reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"], config
-    assert set(fused_policies) == FUSED
-    assert edited and all(lens == [1] * len(rows) for rows, lens in edited)
+from vllm_kvcompress.vllm_seam.worker import step_inputs
 
 
 def test_metadata_edits_shorten_fused_rows_in_compressed_groups_only():
