@@ -56,14 +56,22 @@ class ReferenceDecoder:
 
     # ------------------------------------------------------------ model
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """x [H, n, D] rotated to logical `positions` [n] (HF's rotate_half form)."""
+    def _rope_tables(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """Per layer type, (cos, sin) [n, D] at logical `positions` (one RoPE base per
+        Gemma layer type; Llama's one for every layer): computed once per forward."""
         rotary = self.model.model.rotary_emb
-        if self.gemma:  # one RoPE base per layer type
-            cos, sin = rotary(x, positions.view(1, -1), self.layer_types[layer_idx])
-        else:
-            cos, sin = rotary(x, positions.view(1, -1))
-        cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)  # [n, D]
+        tables = {}
+        for layer_type in set(self.layer_types):
+            if self.gemma:
+                cos, sin = rotary(x, positions.view(1, -1), layer_type)
+            else:
+                cos, sin = rotary(x, positions.view(1, -1))
+            tables[layer_type] = (cos[0].to(x.dtype), sin[0].to(x.dtype))
+        return tables
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [H, n, D] rotated by (cos, sin) [n, D] (HF's rotate_half form)."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -77,6 +85,8 @@ class ReferenceDecoder:
         observed = state.observed(positions) if state is not None else None
         if state is not None:
             state.append(positions)
+        rope = self._rope_tables(x, positions)
+        group = self.num_q_heads // self.num_kv_heads
         for layer_idx, layer in enumerate(m.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -86,28 +96,31 @@ class ReferenceDecoder:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(0, 1), k.transpose(0, 1)
             v = attn.v_proj(h).view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
-            q, k = self._rope(q, positions, layer_idx), self._rope(k, positions, layer_idx)
+            cos, sin = rope[self.layer_types[layer_idx]]
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             keys, values = cache[layer_idx]
             keys, values = torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1)
             cache[layer_idx] = (keys, values)
             total = keys.shape[1]
-            group = self.num_q_heads // self.num_kv_heads
-            k_rep = keys.repeat_interleave(group, dim=0)
-            v_rep = values.repeat_interleave(group, dim=0)
-            logits = (q @ k_rep.transpose(1, 2)) * self.scale  # [Hq, n, T]
-            # Query i sits at physical slot total - n + i and sees slots <= it.
-            q_slot = (total - n + torch.arange(n)).view(-1, 1)
-            visible = torch.arange(total).view(1, -1) <= q_slot
+            # GQA: query head h reads KV head h // group; the group's queries
+            # are stacked as rows of one matmul per KV head.
+            grouped = q.reshape(self.num_kv_heads, group * n, self.head_dim)
+            logits = (grouped @ keys.transpose(1, 2)).view(self.num_q_heads, n, total) * self.scale  # [Hq, n, T]
             window = self.window[layer_idx]
-            if window is not None:  # never compressed: slots are logical positions
-                visible &= torch.arange(total).view(1, -1) > q_slot - window
-            logits = logits.masked_fill(~visible, float("-inf"))
+            if n > 1 or window is not None:
+                # Query i sits at physical slot total - n + i and sees slots <= it.
+                q_slot = (total - n + torch.arange(n)).view(-1, 1)
+                visible = torch.arange(total).view(1, -1) <= q_slot
+                if window is not None:  # never compressed: slots are logical positions
+                    visible &= torch.arange(total).view(1, -1) > q_slot - window
+                logits = logits.masked_fill(~visible, float("-inf"))
             c = self.compressed.get(layer_idx)  # None: a sliding-window layer
             dead = state.dead_slots(c, total) if state is not None and c is not None else None
             if dead is not None:  # per-head budgets: slots this head evicted
                 logits = logits.masked_fill(dead.repeat_interleave(group, dim=0).unsqueeze(1), float("-inf"))
             probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
-            out = attn.o_proj((probs @ v_rep).transpose(0, 1).reshape(n, -1))
+            attended = probs.reshape(self.num_kv_heads, group * n, total) @ values  # [Hkv, group * n, D]
+            out = attn.o_proj(attended.view(self.num_q_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1))
             if self.gemma:  # sandwich norms around attention and MLP
                 x = x + layer.post_attention_layernorm(out)
                 x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))

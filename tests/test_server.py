@@ -2,8 +2,8 @@
 
 Every check runs against one rank, against tensor parallelism over two
 (`--tensor-parallel-size 2`, a CPU core per rank) and against data parallelism
-over two engine cores (`--data-parallel-size 2`: two schedulers, two API
-server processes, /metrics summed over both). Each server takes its settings
+over two engine cores (`--data-parallel-size 2`: two schedulers behind one API
+server and vLLM's DP coordinator, /metrics summed over both). Each server takes its settings
 as users give them: a recipe (`--kv-compress-config`) with flags over it, and
 the resolved settings must reach every scheduler and worker process."""
 
