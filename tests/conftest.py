@@ -19,12 +19,16 @@ from helpers import Engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# OpenMP threads that sleep when idle instead of spinning: with two workers
-# (and the servers and engine processes they start, which inherit it) sharing
-# two cores, a spinning thread waits for a descheduled one at every parallel
-# region, 3-4x slower per engine step; passive costs about nothing alone.
+# On two xdist workers (two processes on the two cores), one OpenMP thread per
+# process: with two, a worker's engine step waits at every parallel region for
+# a thread the other worker has descheduled (spinning, 3-4x slower; sleeping
+# instead, OMP_WAIT_POLICY=PASSIVE, 2x slower even alone). The tiny models'
+# steps gain little from a second thread (test_preemption alone: 46 s on one,
+# 40 s on two). Inherited by the engine, server and script processes a test
+# starts (vLLM sets its own workers' count from their core binding).
 # Read when torch loads OpenMP, so before anything imports torch.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Without a GPU, Triton runs on CPU tensors through its interpreter (the kernel
 # tests, the GPU harness with the Triton ops). It must be set before Triton is
 # first imported, which an engine test in the same run may do: hence here.
