@@ -56,7 +56,7 @@ class ReferenceDecoder:
 
     # ------------------------------------------------------------ model
 
-    def _rope_tables(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+    def _rope_tables(self, x: torch.Tensor, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per layer type, (cos, sin) [n, D] at logical `positions` (one RoPE base per
         Gemma layer type; Llama's one for every layer): computed once per forward."""
         rotary = self.model.model.rotary_emb
