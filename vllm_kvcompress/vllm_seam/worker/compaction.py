@@ -1,8 +1,8 @@
 """Compaction: the step's evictions, before anything is written to the freed blocks.
 
 The scheduler has already given the evicted tail blocks back to the pool
-(this very step may hand them to other requests); here, before vLLM's
-`_update_states` appends new block ids, every layer of the compacting
+(this very step may hand them to other requests); here, before the model
+runner appends the step's new block ids, every layer of the compacting
 requests keeps its selected tokens at the front of its blocks (one kernel op
 per layer for all of them), MiniCache pairs are merged at their first
 compaction, and each KV cache group's block table is cut to its new length.
@@ -51,8 +51,7 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
     # it with an error); its block table is still cut as the scheduler
     # planned, since those blocks are back in the pool.
     states: list[RequestTokens | None] = [worker.states.get(c.request_id) for c in compactions]
-    group_ids = [[worker.runner.requests[c.request_id].block_ids[vg] for vg in worker.vllm_groups]
-                 for c in compactions]
+    group_ids = [[worker.runner.block_ids(c.request_id)[vg] for vg in worker.vllm_groups] for c in compactions]
     for i, c in enumerate(compactions):
         state = states[i]
         with worker.isolated(c.request_id, "compaction"):
@@ -126,16 +125,13 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
         if live[i] and state is not None:
             with worker.isolated(c.request_id, "compaction"):
                 state.finish_compaction()
-        row = worker.runner.input_batch.req_id_to_index.get(c.request_id)
         for g, new_len in enumerate(c.new_lengths):
             copy = c.copies[g] if c.copies else None
             if copy is not None:
                 ids[g][copy.first_block:] = copy.fresh_blocks
             del ids[g][cdiv(new_len, worker.block_size):]
-            if row is not None:
-                table = worker.runner.input_batch.block_table[worker.vllm_groups[g]]
-                table.clear_row(row)
-                table.add_row(ids[g], row)
+            first_changed = len(ids[g]) if copy is None else min(copy.first_block, len(ids[g]))
+            worker.runner.refill_row(c.request_id, worker.vllm_groups[g], ids[g], first_changed)
 
 
 def _select_layer(worker: WorkerCompression, compactions: list[Compaction], states: list[RequestTokens | None],

@@ -1,10 +1,16 @@
-"""The worker's vLLM hooks: the wrapped GPUModelRunner/Worker methods and
-AttentionGroup.build_metadata (seam table: patches.py)."""
+"""The worker's vLLM hooks: the wrapped model-runner and Worker methods and
+AttentionGroup.build_metadata (seam table: patches.py).
+
+V1 runner: `_update_states` (before), `_prepare_inputs` (after).
+Model Runner V2: `finish_requests` (before), `prepare_attn` (after),
+`prepare_dummy_attn` (before). Both: `initialize_kv_cache` (after),
+`sample_tokens` (after)."""
 
 from __future__ import annotations
 
 from ...config import CONFIG_KEY
 from ...step_records import WorkerReport, attach_report
+from .runner_view import MRV2View, V1View
 from .startup import wrap_determine_available_memory as wrap_determine_available_memory
 from .state import WORKER_KEY, WorkerCompression, attach, attached
 from .step_inputs import prepare_inputs
@@ -63,13 +69,16 @@ def wrap_sample_tokens(original):
         kvc = _compression(self)
         if kvc is None:
             return output
+        kvc.clear_step()
         failed = kvc.take_failed()  # every rank: a collective under tensor parallelism
         if output is None:  # nothing goes back this step: the next one reports them
             kvc.failed.update(failed)
             return output
-        # Rides back to the scheduler's update_from_output (async scheduling is off).
+        # Rides back to the scheduler's update_from_output (async scheduling
+        # is off): on MRV2's AsyncOutput, the ModelRunnerOutput it returns.
         if kvc.reported or failed:
-            attach_report(output, WorkerReport(layer_budgets=tuple(kvc.reported), failed=tuple(failed)))
+            report = WorkerReport(layer_budgets=tuple(kvc.reported), failed=tuple(failed))
+            attach_report(getattr(output, "model_runner_output", output), report)
             kvc.reported = []
         return output
 
@@ -80,8 +89,52 @@ def wrap_prepare_inputs(original):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
         result = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
         kvc = _compression(self)
-        if kvc is not None:
-            prepare_inputs(kvc, num_scheduled_tokens)
+        if kvc is not None and isinstance(kvc.runner, V1View):
+            prepare_inputs(kvc, kvc.runner.step_batch(num_scheduled_tokens))
         return result
 
     return _prepare_inputs
+
+
+# ---------------------------------------------------------------- Model Runner V2
+
+
+def wrap_finish_requests(original):
+    """MRV2's first state update of a real step (before add_requests and
+    update_requests append the step's block ids): where V1's `_update_states` begins."""
+
+    def finish_requests(self, scheduler_output):
+        kvc = _compression(self)
+        if kvc is not None:
+            kvc.before_update_states(scheduler_output)
+        return original(self, scheduler_output)
+
+    return finish_requests
+
+
+def wrap_prepare_attn(original):
+    """After MRV2 gathered the step's block tables and computed its slot
+    mappings: the compressed groups' slots become physical, their lengths
+    metadata edits (the shared seq_lens stay logical for the sampler)."""
+
+    def prepare_attn(self, input_batch, *args, **kwargs):
+        block_tables, slot_mappings = original(self, input_batch, *args, **kwargs)
+        kvc = _compression(self)
+        if kvc is not None and isinstance(kvc.runner, MRV2View):
+            prepare_inputs(kvc, kvc.runner.step_batch_of(input_batch, block_tables, slot_mappings))
+        return block_tables, slot_mappings
+
+    return prepare_attn
+
+
+def wrap_prepare_dummy_attn(original):
+    """A dummy run (profiling, CUDA graph capture, data parallelism's idle
+    step) builds attention metadata too: with no step state of ours."""
+
+    def prepare_dummy_attn(self, *args, **kwargs):
+        kvc = _compression(self)
+        if kvc is not None:
+            kvc.clear_step()
+        return original(self, *args, **kwargs)
+
+    return prepare_dummy_attn

@@ -1,11 +1,12 @@
 """WorkerCompression: one model runner's compression state, and what it does before each step.
 
-Per step, around vLLM's V1 GPUModelRunner (also the CPU runner's base):
-  _update_states (before): drop ended requests, start new ones, run the
-      step's compactions (compaction.py), truncate block tables;
-  _prepare_inputs (after): slot mapping and seq_lens become physical,
-      positions (RoPE) stay logical; the step's attention passes
-      (step_inputs.py);
+Per step, around vLLM's model runner (V1 or Model Runner V2: runner_view.py):
+  start of the step's state update (V1 `_update_states`, MRV2
+      `finish_requests`; before): drop ended requests, start new ones, run
+      the step's compactions (compaction.py), truncate block tables;
+  the step's inputs (V1 `_prepare_inputs`, MRV2 `prepare_attn`; after):
+      slot mapping and per-group lengths become physical, positions (RoPE)
+      stay logical; the step's attention passes (step_inputs.py);
   attention forward (attention.py -> attention_passes.py): redo rows whose
       KV heads keep different counts or whose layer is merged, attend fused
       decode rows, score observed queries;
@@ -32,6 +33,7 @@ from ..groups import CompressedLayers, layer_index
 from ..metrics import SnapshotWriter
 from .attention_passes import StepPasses
 from .compaction import FAULT_ENV, compact_requests
+from .runner_view import RunnerView, view_of
 from .startup import CACHE_WRITERS, check_layout, check_scoring_exact, tensor_parallel_shard
 from .step_inputs import MetadataEdits
 from .timing import PhaseTimer
@@ -58,11 +60,12 @@ class WorkerCompression:
         for layer in layers:
             check_scoring_exact(layer)
         block_size = groups[compressed.vllm_groups[0]].kv_cache_spec.block_size
+        view = view_of(runner)
         for g in compressed.vllm_groups:
-            table = runner.input_batch.block_table[g]
-            if table.block_size != block_size:
+            kernel_block_size = view.kernel_block_size(g)
+            if kernel_block_size != block_size:
                 raise RuntimeError(
-                    f"kv_compress: kernel block size {table.block_size} differs from the KV manager's "
+                    f"kv_compress: kernel block size {kernel_block_size} differs from the KV manager's "
                     f"{block_size}; choose --block-size as a multiple of 32 that the backend uses as is"
                 )
         # Dispatch, once: the cache views by attention backend, the kernel
@@ -73,7 +76,7 @@ class WorkerCompression:
                 f"kv_compress: attention backend {backend} is not supported (CPU_ATTN on CPU, "
                 f"FLASH_ATTN on CUDA); refusing to compact a cache layout it does not know"
             )
-        self.setup(runner, layers, compressed.group_of_layer, compressed.vllm_groups, compressed.num_vllm_groups,
+        self.setup(view, layers, compressed.group_of_layer, compressed.vllm_groups, compressed.num_vllm_groups,
                    block_size, LAYOUTS[backend], tensor_parallel_shard())
         check_layout(layers[0], self.views, self.ops, CACHE_WRITERS[backend], backend)
         # The attention backend and the metadata builders find this worker on
@@ -83,16 +86,17 @@ class WorkerCompression:
         for attention_group in (g for groups in runner.attn_groups for g in groups):
             attach(attention_group, self)
         logger.info("kv_compress worker ready (pid %d, tensor-parallel rank %d of %d): %s, %d layers, block %d, "
-                    "%s cache, %s ops", os.getpid(), self.shard.rank, self.shard.size, config.to_dict(),
-                    self.num_layers, self.block_size, backend, self.ops.backend)
+                    "%s cache, %s ops, %s model runner", os.getpid(), self.shard.rank, self.shard.size,
+                    config.to_dict(), self.num_layers, self.block_size, backend, self.ops.backend,
+                    type(view).__name__.removesuffix("View"))
 
-    def setup(self, runner, layers, group_of_layer, vllm_groups, num_vllm_groups: int, block_size: int,
-              views: Callable[[torch.Tensor], KVViews], shard: HeadShard) -> None:
+    def setup(self, runner: RunnerView, layers, group_of_layer, vllm_groups, num_vllm_groups: int,
+              block_size: int, views: Callable[[torch.Tensor], KVViews], shard: HeadShard) -> None:
         """The state every step reads, from the compressed attention layers
         (each with `layer_name`, `kv_cache`, `num_heads`, `num_kv_heads` and
-        `impl.scale`) and the runner's per-request block ids
-        (`runner.requests[id].block_ids`). The GPU harness without vLLM
-        (kvc_tools.paged_decoder) builds a worker through here as well."""
+        `impl.scale`) and the model runner's view (block ids, table rows, the
+        step's batch). The GPU harness without vLLM (kvc_tools.paged_decoder)
+        builds a worker through here as well."""
         self.runner = runner
         self.layers = list(layers)
         self.layer_of = {layer.layer_name: i for i, layer in enumerate(self.layers)}
@@ -159,8 +163,10 @@ class WorkerCompression:
     # ------------------------------------------------------------ _update_states
 
     def before_update_states(self, so) -> None:
-        self.step = None
-        self.metadata_edits = None
+        """At the start of the runner's state update, before vLLM appends the
+        step's new block ids (V1 `_update_states`, MRV2 `finish_requests`)."""
+        self.clear_step()
+        self.runner.begin_step(so)
         plan = step_plan_of(so)
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
@@ -182,6 +188,13 @@ class WorkerCompression:
                 compact_requests(self, plan.compactions)
             self.snapshot.write(self.timer.seconds)
         self.evicted = plan.evicted
+        self.runner.after_compaction(so)
+
+    def clear_step(self) -> None:
+        """No attention passes or metadata edits until the next step's inputs
+        (a dummy run, data parallelism's idle step, must see none)."""
+        self.step = None
+        self.metadata_edits = None
 
 
 def gather_failed(failed: list[str]) -> list[str]:

@@ -1,8 +1,8 @@
 """The step's inputs: physical slots and lengths, metadata edits, which queries are observed.
 
-After vLLM's `_prepare_inputs` (`prepare_inputs`): each request's slot
-mapping follows its physical (compacted) cache, seq_lens its physical length
-per KV cache group, while positions (RoPE) stay logical; fused decode rows
+Once the runner has prepared the step's inputs (`prepare_inputs`): each
+request's slot mapping follows its physical (compacted) cache, seq_lens its
+physical length per KV cache group, while positions (RoPE) stay logical; fused decode rows
 attend one key in vLLM's kernel (`MetadataEdits`); and the step's requests
 are sorted into the attention passes they need (`step_passes`).
 """
@@ -20,6 +20,7 @@ from ...token_state import RequestTokens
 
 if TYPE_CHECKING:
     from .attention_passes import StepPasses
+    from .runner_view import StepBatch
     from .state import WorkerCompression
 
 
@@ -95,11 +96,13 @@ class ScoringBatch:
 @dataclass(frozen=True)
 class MetadataEdits:
     """How this step's attention metadata differs, per vLLM KV cache group,
-    from the seq_lens the runner computed (vLLM group 0's physical lengths)."""
+    from the seq_lens the runner computed (V1: vLLM group 0's physical
+    lengths, written in place; Model Runner V2: the logical lengths, which
+    its sampler reads too)."""
 
     num_reqs: int
-    # vLLM group (other than 0) -> [num_reqs] int32, host: how much shorter
-    # than group 0 each request's physical length is.
+    # vLLM group -> [num_reqs] int32, host: how much shorter than the
+    # runner's seq_lens each request's physical length is in that group.
     deltas: dict[int, torch.Tensor]
     # Rows (requests) whose attention `attend_fused` computes in the
     # compressed groups: vLLM's kernel attends one key for them (seq_len 1,
@@ -138,27 +141,26 @@ class MetadataEdits:
 
 
 
-def prepare_inputs(worker: WorkerCompression, num_scheduled_tokens: np.ndarray) -> None:
-    """After vLLM's `_prepare_inputs`: slot mapping and seq_lens become
-    physical (positions, RoPE, stay logical); the step's attention passes and
-    metadata edits go to the worker, where the attention backend and the
-    metadata builders find them."""
-    runner = worker.runner
-    batch = runner.input_batch
-    num_reqs = batch.num_reqs
-    req_ids = batch.req_ids[:num_reqs]
+def prepare_inputs(worker: WorkerCompression, batch: StepBatch) -> None:
+    """Once the runner has the step's inputs: slot mapping and per-group
+    lengths become physical (positions, RoPE, stay logical); the step's
+    attention passes and metadata edits go to the worker, where the attention
+    backend and the metadata builders find them."""
+    view = worker.runner
+    req_ids, num_scheduled_tokens = batch.req_ids, batch.num_scheduled
+    num_reqs = len(req_ids)
     total = int(num_scheduled_tokens.sum())
     starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
     none = (0,) * worker.num_groups
     evicted = np.array([worker.evicted.get(rid, none) for rid in req_ids], dtype=np.int64).reshape(num_reqs, -1)
     # Per vLLM KV cache group (a sliding-window group evicts nothing of ours).
-    offsets = np.zeros((num_reqs, worker.num_vllm_groups), dtype=np.int64)
+    offsets: np.ndarray = np.zeros((num_reqs, worker.num_vllm_groups), dtype=np.int64)
     offsets[:, list(worker.vllm_groups)] = evicted
-    positions = runner.positions[:total]
+    positions = batch.positions[:total]
     # The same logical positions on the host, as vLLM derives them (its
     # tensor may be on the GPU: reading it back would be a host sync).
     positions_host = torch.from_numpy(
-        np.repeat(batch.num_computed_tokens_cpu[:num_reqs] - starts, num_scheduled_tokens) + np.arange(total)
+        np.repeat(batch.num_computed - starts, num_scheduled_tokens) + np.arange(total)
     ).to(torch.int64)
     if positions.device.type == "cpu" and not torch.equal(positions, positions_host):
         raise RuntimeError("kv_compress: the runner's positions are not num_computed_tokens + query offset")
@@ -169,21 +171,13 @@ def prepare_inputs(worker: WorkerCompression, num_scheduled_tokens: np.ndarray) 
             if offsets[:, vg].any():
                 per_token = torch.from_numpy(np.repeat(offsets[:, vg], num_scheduled_tokens))
                 physical_host[g] = positions_host - per_token
-                batch.block_table[vg].compute_slot_mapping(
-                    num_reqs, runner.query_start_loc.gpu[: num_reqs + 1],
-                    positions - upload(per_token, positions.device))
-        # seq_lens are shared by all groups' metadata: vLLM group 0's lengths
-        # here, the other groups' differences applied when their metadata is built.
-        off = torch.from_numpy(offsets[:, 0]).to(torch.int32)
-        runner.seq_lens[:num_reqs] -= upload(off, runner.seq_lens.device).to(runner.seq_lens.dtype)
-        runner.optimistic_seq_lens_cpu[:num_reqs] -= off.to(runner.optimistic_seq_lens_cpu.dtype)
-        deltas = {g: torch.from_numpy(offsets[:, g] - offsets[:, 0]).to(torch.int32)
-                  for g in range(1, worker.num_vllm_groups) if (offsets[:, g] != offsets[:, 0]).any()}
+                view.write_physical_slots(batch, vg, positions - upload(per_token, positions.device))
+        deltas = view.seq_len_deltas(offsets)
     step = step_passes(worker, req_ids, starts, num_scheduled_tokens, positions_host, physical_host)
     worker.step = step
     fused = torch.tensor(step.fused_rows if step is not None else [], dtype=torch.int64)
     if deltas or len(fused):
-        worker.metadata_edits = MetadataEdits(num_reqs, deltas, fused, upload(fused, runner.seq_lens.device),
+        worker.metadata_edits = MetadataEdits(num_reqs, deltas, fused, upload(fused, batch.seq_lens_device),
                                               frozenset(worker.vllm_groups))
 
 def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens, positions_host: torch.Tensor,
@@ -230,13 +224,13 @@ def _step_request(worker: WorkerCompression, rid: str, state: RequestTokens, sl:
                   physical) -> StepRequest:
     """A request's selected queries in this step, its index tensors
     uploaded to the cache's device once (`physical`: host positions)."""
+    ids = worker.runner.block_ids(rid)
     return StepRequest(
         request_id=rid, state=state, token_idx=upload(torch.arange(sl.start, sl.stop)[mask], worker.device),
         q_logical=q_log[mask],
         q_physical=[upload(p[sl][mask], worker.device) for p in physical],
         seq_lens=[int(p[sl.stop - 1]) + 1 for p in physical],
-        block_ids=[upload(torch.tensor(worker.runner.requests[rid].block_ids[vg], dtype=torch.int64), worker.device)
-                   for vg in worker.vllm_groups],
+        block_ids=[upload(torch.tensor(ids[vg], dtype=torch.int64), worker.device) for vg in worker.vllm_groups],
     )
 
 
