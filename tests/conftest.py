@@ -38,6 +38,22 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+# The model runner the engine tests run on: vLLM's V1 runner by default;
+# KVC_TEST_RUNNER=mrv2 runs them on Model Runner V2 (through a stub Triton
+# backend and Triton's interpreter: kvc_tools/runners.py), which `.ci/run`
+# does for the tests marked `mrv2`. Set before anything imports vLLM, which
+# decides once per process whether it has Triton.
+RUNNER = os.environ.get("KVC_TEST_RUNNER", "v1")
+if RUNNER != "v1":
+    import sys
+
+    from kvc_tools.runners import STUB_PATH, runner_env
+
+    os.environ.update(runner_env(RUNNER))
+    if RUNNER == "mrv2" and str(STUB_PATH) not in sys.path:
+        sys.path.insert(0, str(STUB_PATH))
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
     from kvc_tools.models import build_tiny_llama, default_cache_root

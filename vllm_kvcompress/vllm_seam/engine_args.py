@@ -254,6 +254,11 @@ def prepare_platform(args, config: KVCompressConfig) -> None:
     elif str(name).upper() != "FLASH_ATTN":
         raise _refuse(f"attention backend {name} (on CUDA only FLASH_ATTN's cache layout is known)")
     prepare_cuda_graphs(args.compilation_config, args.enforce_eager)
+    if getattr(args, "enable_extensible_kv_cache", None):
+        raise _refuse("enable_extensible_kv_cache (it re-sizes the KV cache after warm-up, over the room the "
+                      "scores need)")
+    if hasattr(args, "enable_extensible_kv_cache"):  # vLLM 0.34: on by default on CUDA
+        args.enable_extensible_kv_cache = False
 
 
 def prepare_cuda_graphs(compilation, enforce_eager: bool) -> None:
@@ -280,7 +285,10 @@ def check_cuda_graphs(compilation) -> None:
     if mode.has_full_cudagraphs():
         raise _refuse(f"cudagraph_mode={mode.name} (a full CUDA graph replays attention without the plugin's "
                       f"scoring and metadata edits; use PIECEWISE, the default with kv_compress, or NONE)")
-    if mode.has_piecewise_cudagraphs() and not compilation.splitting_ops_contain_attention():
+    # Breakable CUDA graphs (vLLM 0.34) run attention as an eager segment.
+    eager_attention = compilation.splitting_ops_contain_attention() or getattr(
+        compilation, "use_breakable_cudagraph", False)
+    if mode.has_piecewise_cudagraphs() and not eager_attention:
         raise _refuse(f"splitting_ops={compilation.splitting_ops} (piecewise CUDA graphs would capture an "
                       f"attention op; leave splitting_ops unset or include vLLM's attention ops)")
 

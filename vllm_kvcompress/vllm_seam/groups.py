@@ -17,6 +17,7 @@ layers compress and split; the sliding-window groups keep vLLM's manager.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError
@@ -78,7 +79,8 @@ def wrap_get_kv_cache_groups(original):
         raw = (vllm_config.additional_config or {}).get(CONFIG_KEY)
         if raw is None:
             return groups
-        from vllm.v1.core.kv_cache_utils import create_kv_cache_group_specs
+        # Beside the original: vllm.v1.core.kv_cache_utils on 0.32, kv_cache_planning from 0.33 on.
+        create_kv_cache_group_specs = importlib.import_module(original.__module__).create_kv_cache_group_specs
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
 
         from .block_manager import compressed_spec, register_compressed_spec

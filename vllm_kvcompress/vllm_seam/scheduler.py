@@ -244,12 +244,18 @@ class KVCompressScheduler(Scheduler):
                 EngineCoreOutput(request_id=rid, new_token_ids=[], finish_reason=FinishReason.ERROR))
         return outputs
 
-    def _get_local_prefix_cache_hit(self, request):
-        hit = super()._get_local_prefix_cache_hit(request)
+    def _get_local_prefix_cache_hit(self, request, *args, **kwargs):
         cap = self._request_state(request).longest_prefix_hit()
+        if args or "max_cache_hit_length" in kwargs:
+            # vLLM 0.33+: the hit's cap is vLLM's own parameter; ours joins it.
+            limit = kwargs.pop("max_cache_hit_length", None) if not args else args[0]
+            if cap is not None:
+                limit = cap if limit is None else min(limit, cap)
+            return super()._get_local_prefix_cache_hit(request, limit, *args[1:], **kwargs)
+        hit = super()._get_local_prefix_cache_hit(request)
         if cap is None or hit[1] <= cap:
             return hit
-        # A shorter hit, found as vLLM's `get_computed_blocks` finds its own.
+        # vLLM 0.32: a shorter hit, found as vLLM's `get_computed_blocks` finds its own.
         manager = self.kv_cache_manager
         blocks, num_tokens, num_uncached = manager.coordinator.find_longest_cache_hit(request.block_hashes, cap)
         return manager.create_kv_cache_blocks(blocks), num_tokens, num_tokens + num_uncached if num_uncached else 0, \
@@ -260,7 +266,10 @@ class KVCompressScheduler(Scheduler):
         # chunk ends where the request's next compression is due.
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         if request.request_id in self._kvc_held_back:
-            return 0  # waiting: no other waiting request is admitted this step either
+            # Waiting until the next step. vLLM 0.32 then admits no other
+            # waiting request this step; 0.33+ requeues it and goes on with
+            # the others (answers are exact either way: it replays as preempted).
+            return 0
         cap = self._request_state(request).tokens_until_due(num_computed_tokens)
         return num_new_tokens if cap is None else min(num_new_tokens, cap)
 

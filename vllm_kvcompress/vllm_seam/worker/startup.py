@@ -18,9 +18,17 @@ from ...token_state import score_bytes_per_kv_byte, selection_scratch_bytes
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
 
-def _write_cpu_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    from vllm import _custom_ops as ops
+def _cpu_ops():
+    """vLLM's CPU ops: `vllm._cpu_ops` from 0.34 on, `vllm._custom_ops` before."""
+    try:
+        from vllm import _cpu_ops as ops
+    except ImportError:
+        from vllm import _custom_ops as ops
+    return ops
 
+
+def _write_cpu_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    ops = _cpu_ops()
     _, heads, block, two_d = scratch.shape
     key_cache, value_cache = scratch.view(2, heads, 2 * block, two_d // 2).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(len(key)), layer.isa)
