@@ -7,6 +7,7 @@ vLLM pickles into the engine core and every worker.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 from collections.abc import Mapping
@@ -34,6 +35,9 @@ from . import metrics
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
 SCHEDULER_CLS = "vllm_kvcompress.vllm_seam.scheduler.KVCompressScheduler"
+# Why compression cannot be served in this process (patches.apply_refusal:
+# a vLLM version outside the plugin's window); None: it can.
+REFUSAL: str | None = None
 GROUP = "KVCompress"
 
 # CLI flag suffix / keyword suffix -> config field.
@@ -127,6 +131,8 @@ def _check_after_parsing(parser: argparse.ArgumentParser) -> None:
             config = config_from_options(values)
         except KVCompressConfigError as e:
             parser.error(str(e))
+        if config is not None and REFUSAL is not None:
+            parser.error(REFUSAL)  # a vLLM version the plugin does not serve
         if config is not None and hasattr(namespace, "additional_config"):
             namespace.additional_config = {**(namespace.additional_config or {}), CONFIG_KEY: config}
         if (config is not None and getattr(namespace, "data_parallel_size", 1) > 1
@@ -436,23 +442,51 @@ def wrap_process_inputs(original):
 
 
 def wrap_openai_handler(original):
-    """Refuse JSON booleans among a request's kv_compress values.
+    """Refuse JSON booleans and near-miss keys among a request's kv_compress values.
 
     The OpenAI protocol parses `vllm_xargs` values as str | int | float, which
     reads `true` as 1: `"kv_compress_span": true` would be served as span 1.
     Only the raw body still tells a boolean from a number, so the handler
-    reads it (FastAPI keeps it) when `vllm_xargs` holds one of our keys.
+    reads it (FastAPI keeps it: the JSON body, or the form's `vllm_xargs`
+    field for the audio endpoints) when `vllm_xargs` holds one of our keys.
+    Near-miss keys are refused here too, so that every endpoint refuses them
+    before anything runs (a render endpoint reaches no engine). Wraps every
+    handler that takes a `request` and the `raw_request` (seam table).
     """
+    signature = inspect.signature(original)
 
-    async def handler(self, request, raw_request=None, *args, **kwargs):
-        xargs = getattr(request, "vllm_xargs", None)
-        if raw_request is not None and xargs and any(isinstance(k, str) and looks_like_ours(k) for k in xargs):
-            problem = boolean_setting(await raw_request.body())
-            if problem is not None:
-                return self.create_error_response(problem, param=CONFIG_KEY)
-        return await original(self, request, raw_request, *args, **kwargs)
+    async def handler(self, *args, **kwargs):
+        bound = signature.bind_partial(self, *args, **kwargs).arguments
+        problem = await vllm_xargs_problem(bound.get("request"), bound.get("raw_request"))
+        if problem is not None:
+            return self.create_error_response(problem, param=CONFIG_KEY)
+        return await original(self, *args, **kwargs)
 
     return handler
+
+
+async def vllm_xargs_problem(request, raw_request) -> str | None:
+    """Why a request's kv_compress `vllm_xargs` cannot be served as parsed (None: they can)."""
+    xargs = getattr(request, "vllm_xargs", None)  # a field, or an extra one (batch chat)
+    if raw_request is None or not isinstance(xargs, Mapping):
+        return None
+    if not any(isinstance(k, str) and looks_like_ours(k) for k in xargs):
+        return None
+    if "form" in raw_request.headers.get("content-type", ""):
+        raw = (await raw_request.form()).get("vllm_xargs")
+        try:
+            problem = boolean_in(json.loads(raw)) if isinstance(raw, str) else None
+        except ValueError:
+            return None  # the protocol's own validation answers
+    else:
+        problem = boolean_setting(await raw_request.body())
+    if problem is not None:
+        return problem
+    try:
+        request_overrides(xargs)
+    except KVCompressConfigError as e:
+        return str(e)
+    return None
 
 
 def boolean_setting(body: bytes) -> str | None:
@@ -461,12 +495,19 @@ def boolean_setting(body: bytes) -> str | None:
         xargs = json.loads(body).get("vllm_xargs")
     except (ValueError, AttributeError):
         return None  # not a JSON object: the protocol's own validation answers
+    return boolean_in(xargs)
+
+
+def boolean_in(xargs: Any) -> str | None:
+    """`boolean_setting` of a parsed `vllm_xargs` object."""
     if not isinstance(xargs, dict):
         return None
     for key, value in xargs.items():
         values = value if isinstance(value, list) else [value]
-        if looks_like_ours(key) and any(isinstance(v, bool) for v in values):
+        booleans = [v for v in values if isinstance(v, bool)]
+        if looks_like_ours(key) and booleans:
             name = key.removeprefix(CONFIG_KEY + "_") if key != CONFIG_KEY else "policy"
-            return (f"{CONFIG_KEY}.{FIELD_ALIASES.get(name, name)}: expected a number or a name, got the JSON "
-                    f"boolean {json.dumps(value)}")
+            got = json.dumps(booleans[0]) + (" in a list" if isinstance(value, list) else "")
+            return (f"{CONFIG_KEY}.{FIELD_ALIASES.get(name, name)}: expected a number or a name, got "
+                    f"the JSON boolean {got}")
     return None

@@ -102,6 +102,22 @@ vllm.entrypoints.openai.completion.serving | OpenAIServingCompletion | create_co
     | a JSON boolean among the kv_compress vllm_xargs is a 400 (the protocol would read true as 1)
 vllm.entrypoints.openai.chat_completion.serving | OpenAIServingChat | create_chat_completion
     | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for chat completions
+vllm.entrypoints.openai.chat_completion.batch_serving | OpenAIServingChatBatch | create_batch_chat_completion
+    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for batched chat (vllm_xargs as an extra field)
+vllm.entrypoints.openai.responses.serving | OpenAIServingResponses | create_responses
+    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for /v1/responses
+vllm.entrypoints.anthropic.serving | AnthropicServingMessages | create_messages | engine_args.wrap_openai_handler
+    | method | 0.32-0.34 | same for /v1/messages (it also passes through chat's)
+vllm.entrypoints.speech_to_text.transcription.serving | OpenAIServingTranscription | create_transcription
+    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for transcriptions (vllm_xargs a form field)
+vllm.entrypoints.speech_to_text.translation.serving | OpenAIServingTranslation | create_translation
+    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for translations (vllm_xargs a form field)
+vllm.entrypoints.scale_out.render.serving | ServingRender | render_chat_request | engine_args.wrap_openai_handler
+    | method | 0.32-0.34 | same for the render endpoints (--enable-scale-out): chat
+vllm.entrypoints.scale_out.render.serving | ServingRender | render_completion_request
+    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for the render endpoints: completions
+vllm.entrypoints.scale_out.render.serving | ServingRender | render_messages_request
+    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for the render endpoints: messages
 vllm.v1.worker.gpu_worker | Worker | determine_available_memory | worker.hooks.wrap_determine_available_memory
     | method | 0.32-0.34 | CUDA: the KV cache leaves room for the scores the profiling run never allocated
 vllm.v1.worker.gpu_model_runner | GPUModelRunner | initialize_kv_cache | worker.hooks.wrap_initialize_kv_cache
@@ -171,13 +187,17 @@ class Support:
     minor: str | None  # its rows (None: none)
     serves: bool
     untested: bool  # served behind ALLOW_UNTESTED_ENV
+    reason: str = ""  # why a version in the window is not served after all (a seam row that does not match)
+
+    @property
+    def window(self) -> str:
+        return (f"vllm-kvcompress supports vLLM {', '.join(TESTED)} (tested) and {', '.join(UNTESTED)} "
+                f"(untested, with {ALLOW_UNTESTED_ENV}=1)")
 
     @property
     def refusal(self) -> str:
         """The one line a request for compression gets on a vLLM this plugin does not serve."""
-        return (f"kv_compress cannot be served on vLLM {self.version}: vllm-kvcompress supports vLLM "
-                f"{', '.join(TESTED)} (tested) and {', '.join(UNTESTED)} (untested, with "
-                f"{ALLOW_UNTESTED_ENV}=1)")
+        return f"kv_compress cannot be served on vLLM {self.version}: {self.reason or self.window}"
 
 
 def support(version: str | None = None) -> Support:
@@ -191,37 +211,42 @@ def support(version: str | None = None) -> Support:
     return Support(version, None, serves=False, untested=True)
 
 
+def _resolve(p: Patch) -> tuple[Any, Any]:
+    """The row's owner (class or module) and its original attribute, or
+    RuntimeError naming the symbol when this vLLM does not match the row."""
+    try:
+        module = importlib.import_module(p.module)
+        owner = getattr(module, p.owner) if p.owner else module
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"vllm_kvcompress: {p.symbol} not found in vLLM {installed_vllm_version()} "
+                           f"({type(e).__name__}: {e}); the seam row for vLLM {p.versions} does not "
+                           f"match this vLLM") from None
+    raw = owner.__dict__.get(p.attr)
+    if (raw is None) != (p.kind == "added"):
+        state = "already has" if raw is not None else "has no"
+        raise RuntimeError(f"vllm_kvcompress: vLLM {installed_vllm_version()} {state} {p.symbol}; the seam "
+                           f"row for vLLM {p.versions} does not match this vLLM")
+    return owner, raw
+
+
 def apply(patches: list[Patch]) -> None:
-    """Install these patches in this process; each at most once. A missing
-    original (vLLM moved or removed it) raises, naming it, unless the row
-    adds the attribute."""
-    for p in patches:
-        key = (p.module, p.owner, p.attr)
-        if key in _applied:
-            continue
+    """Install these patches in this process; each at most once. Every row is
+    resolved first: a missing original (vLLM moved or removed it) raises,
+    naming it, before anything is installed (unless the row adds the attribute)."""
+    todo = [p for p in patches if (p.module, p.owner, p.attr) not in _applied]
+    resolved = [_resolve(p) for p in todo]
+    for p, (owner, raw) in zip(todo, resolved):
         seam_module, function = p.make.rsplit(".", 1)
         make = getattr(importlib.import_module(f"{__package__}.{seam_module}"), function)
-        try:
-            module = importlib.import_module(p.module)
-            owner = getattr(module, p.owner) if p.owner else module
-        except (ImportError, AttributeError) as e:
-            raise RuntimeError(f"vllm_kvcompress: {p.symbol} not found in vLLM {installed_vllm_version()} "
-                               f"({type(e).__name__}: {e}); the seam row for vLLM {p.versions} does not "
-                               f"match this vLLM") from None
-        raw = owner.__dict__.get(p.attr)
-        if (raw is None) != (p.kind == "added"):
-            state = "already has" if raw is not None else "has no"
-            raise RuntimeError(f"vllm_kvcompress: vLLM {installed_vllm_version()} {state} {p.symbol}; the seam "
-                               f"row for vLLM {p.versions} does not match this vLLM")
         new: Any
         if p.kind == "staticmethod":
-            new = staticmethod(make(raw.__func__))  # type: ignore[union-attr]
+            new = staticmethod(make(raw.__func__))
         elif p.kind == "added":
             new = make(None)
         else:
-            new = functools.update_wrapper(make(raw), raw)  # type: ignore[arg-type]
+            new = functools.update_wrapper(make(raw), raw)
         setattr(owner, p.attr, new)
-        _applied.add(key)
+        _applied.add((p.module, p.owner, p.attr))
 
 
 def rows_for(minor: str) -> list[Patch]:
@@ -252,6 +277,7 @@ def apply_refusal(served: Support) -> None:
     vLLM's unknown-argument error)."""
     from . import engine_args
 
+    engine_args.REFUSAL = served.refusal
     for p in PATCHES:
         if p.attr in _REFUSAL_ATTRS and p.module == "vllm.engine.arg_utils":
             try:

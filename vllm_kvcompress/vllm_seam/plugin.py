@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
@@ -15,10 +16,15 @@ def register() -> None:
 
     served = patches.support()
     if not served.serves:
-        logger.warning("vllm-kvcompress is inactive: %s", served.refusal.removeprefix("kv_compress "))
+        logger.warning("vllm-kvcompress is inactive on vLLM %s (vLLM runs as without it): %s", served.version,
+                       served.window)
         patches.apply_refusal(served)
         return
     if served.untested:
         logger.warning("vllm-kvcompress on vLLM %s, a version it has not been tested on (%s is set)",
                        served.version, patches.ALLOW_UNTESTED_ENV)
-    patches.apply_all()
+    try:
+        patches.apply_all()
+    except RuntimeError as e:  # a seam row this vLLM does not match: nothing was installed
+        logger.error("vllm-kvcompress is inactive: %s", e)
+        patches.apply_refusal(dataclasses.replace(served, reason=str(e)))

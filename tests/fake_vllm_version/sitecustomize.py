@@ -1,0 +1,36 @@
+"""Test-only: report vLLM's version as $KVC_FAKE_VLLM_VERSION in this process
+and every process it starts (on PYTHONPATH, Python imports this at start-up).
+
+tests/test_version_window.py runs vLLM with the plugin installed as if vLLM
+were another version: `vllm.version.__version__` (which `vllm.__version__`
+copies) is replaced as soon as vLLM defines it, before any plugin loads.
+"""
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+FAKE = os.environ.get("KVC_FAKE_VLLM_VERSION")
+
+
+class _FakeVersion(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "vllm.version":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_fake(module):
+            exec_module(module)
+            module.__version__ = FAKE
+
+        spec.loader.exec_module = exec_then_fake
+        return spec
+
+
+if FAKE:
+    sys.meta_path.insert(0, _FakeVersion())
