@@ -13,11 +13,14 @@ request alone while the others finish with their reference tokens.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import requests
@@ -33,7 +36,7 @@ from vllm_kvcompress.merge import MERGES
 from vllm_kvcompress.scorers import SCORERS
 from vllm_kvcompress.selection import SELECTIONS
 from vllm_kvcompress.triggers import TRIGGERS
-from vllm_kvcompress.vllm_seam.engine_args import boolean_setting
+from vllm_kvcompress.vllm_seam.engine_args import boolean_setting, wrap_openai_handler
 from vllm_kvcompress.vllm_seam.worker import FAULT_ENV
 
 TIMEOUT = 120
@@ -136,13 +139,147 @@ def test_json_booleans_are_found_in_the_raw_body():
     assert boolean_setting(b"not json") is None
 
 
+def _xargs_routes() -> dict[str, tuple[type, str]]:
+    """The routes of vLLM's OpenAI-compatible server (built as `vllm serve` builds
+    it, every task and scale-out on) whose request model carries `vllm_xargs` (a
+    field, or an extra field copied into a model that has one: batched chat) ->
+    the serving class and method the route calls. SageMaker's /invocations
+    dispatches to these routes' functions."""
+    import importlib
+    import pkgutil
+    import typing
+
+    from fastapi.routing import APIRoute
+    from pydantic import BaseModel
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.tasks import SupportedTask
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    def has_field(model: Any) -> bool:
+        return isinstance(model, type) and issubclass(model, BaseModel) and "vllm_xargs" in model.model_fields
+
+    def carries(model: Any) -> bool:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return False
+        returns = []
+        for _, method in inspect.getmembers(model, inspect.isfunction):
+            try:
+                returns.append(typing.get_type_hints(method).get("return"))
+            except Exception:  # noqa: BLE001 - an annotation this test cannot resolve
+                continue
+        return has_field(model) or any(has_field(r) for r in returns)
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", "--enable-scale-out"])
+    app = build_app(args, tuple(t for t in typing.get_args(SupportedTask) if t != "render"))
+    routes = {}
+    for route in app.routes:
+        if not isinstance(route, APIRoute):
+            continue
+        hints = typing.get_type_hints(route.endpoint, include_extras=True)
+        models = [typing.get_args(t)[0] if typing.get_origin(t) is typing.Annotated else t for t in hints.values()]
+        if not any(carries(m) for m in models):
+            continue
+        (method,) = set(re.findall(r"handler\.(\w+)\(", inspect.getsource(route.endpoint)))
+        package = route.endpoint.__module__.rsplit(".", 1)[0]
+        owners = set()
+        for sub in pkgutil.iter_modules(importlib.import_module(package).__path__, package + "."):
+            if "serving" in sub.name:
+                owners |= {cls for _, cls in inspect.getmembers(importlib.import_module(sub.name), inspect.isclass)
+                           if method in cls.__dict__}
+        (owner,) = owners
+        routes[route.path] = (owner, method)
+    return routes
+
+
+# Routes that take vllm_xargs but whose handler the plugin cannot check, and why.
+UNCHECKED = {
+    "/v1/responses/render": "vLLM calls its handler without the raw request (render returns sampling params and "
+                            "runs no engine; scale-out only)",
+}
+
+
+def test_every_route_that_takes_vllm_xargs_checks_them():
+    """Each of vLLM's routes whose request carries vllm_xargs calls a handler
+    that the seam wraps with the boolean and near-miss check, for the installed
+    vLLM; a new route (or a handler moved) fails here until the seam has its row."""
+    from vllm_kvcompress.vllm_seam.patches import PATCHES, installed_vllm_version, minor_of
+
+    minor = minor_of(installed_vllm_version())
+    wrapped = {(p.module, p.owner, p.attr) for p in PATCHES
+               if p.make == "engine_args.wrap_openai_handler" and p.applies_to(minor)}
+    routes = _xargs_routes()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"} <= set(routes), routes
+    missing = []
+    for path, (owner, method) in sorted(routes.items()):
+        params = inspect.signature(getattr(owner, method)).parameters
+        covered = (owner.__module__, owner.__name__, method) in wrapped and {"request", "raw_request"} <= set(params)
+        if covered == (path in UNCHECKED):
+            missing.append(f"{path}: {owner.__module__}.{owner.__name__}.{method}")
+    assert not missing, f"routes taking vllm_xargs without the seam's check (or listed as unchecked): {missing}"
+
+
+class _Serving:
+    """A handler's owner: the wrapper answers through its `create_error_response`."""
+
+    @staticmethod
+    def create_error_response(message, param=None):
+        return ("error", message, param)
+
+    async def handle(self, audio_data, request, raw_request=None):
+        return "served"
+
+
+def _form_request(xargs: str):
+    from starlette.requests import Request
+
+    boundary = "b0undary"
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="vllm_xargs"\r\n\r\n{xargs}\r\n'
+            f"--{boundary}--\r\n").encode()
+    sent = []
+
+    async def receive():
+        if sent:
+            return {"type": "http.disconnect"}
+        sent.append(True)
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/audio/transcriptions", "query_string": b"",
+             "headers": [(b"content-type", f"multipart/form-data; boundary={boundary}".encode())]}
+    return Request(scope, receive)
+
+
+@pytest.mark.parametrize("xargs, parsed, expected", [
+    ('{"kv_compress": "h2o", "kv_compress_budget": true}', {"kv_compress": "h2o", "kv_compress_budget": 1},
+     "kv_compress.budget: expected a number or a name, got the JSON boolean true"),
+    ('{"kv_compress": "h2o", "kv-compress-budget": 64}', {"kv_compress": "h2o", "kv-compress-budget": 64},
+     "kv_compress.'kv-compress-budget': unknown per-request key"),
+    ('{"kv_compress": "h2o", "kv_compress_budget": 64}', {"kv_compress": "h2o", "kv_compress_budget": 64}, None),
+    ('{"other": true}', {"other": 1}, None),
+])
+def test_the_audio_endpoints_read_vllm_xargs_from_the_form(xargs, parsed, expected):
+    """Transcriptions and translations take vllm_xargs as a JSON form field
+    (no audio model here to serve them): the same check reads it."""
+    import asyncio
+
+    handle = wrap_openai_handler(_Serving.handle)
+    request = SimpleNamespace(vllm_xargs=parsed)  # as vLLM's protocol parsed it
+    result = asyncio.run(handle(_Serving(), b"audio", request, _form_request(xargs)))
+    if expected is None:
+        assert result == "served"
+    else:
+        assert result[0] == "error" and result[1].startswith(expected) and result[2] == "kv_compress", result
+
+
 # ---------------------------------------------------------------- the server
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
+    # Scale-out on: its render endpoints take vllm_xargs too.
     srv = Server(tiny_model, "--kv-compress", "none", "--max-num-seqs", "8", "--enable-prompt-tokens-details",
-                 log=tmp_path_factory.mktemp("serve") / "serve.log", env={FAULT_ENV: str(FAULTY_PROMPT_LEN)})
+                 "--enable-scale-out", log=tmp_path_factory.mktemp("serve") / "serve.log",
+                 env={FAULT_ENV: str(FAULTY_PROMPT_LEN)})
     yield srv
     srv.stop()
 
@@ -203,6 +340,57 @@ def test_dotted_and_misspelt_keys_are_a_400(server):
         bad = complete(server, [5, 6, 7], {"kv_compress": "h2o", key: 64})
         assert bad.status_code == 400, bad.text
         assert "unknown per-request key" in bad.json()["error"]["message"]
+
+
+MESSAGES = [{"role": "user", "content": "tell me a story"}]
+# Every route that takes vllm_xargs and runs on this server, with a body for it
+# (the audio routes need an audio model: test_the_audio_endpoints_read_vllm_xargs_from_the_form).
+ENDPOINTS = {
+    "/v1/completions": {"prompt": [5, 6, 7], "max_tokens": 4},
+    "/v1/chat/completions": {"messages": MESSAGES, "max_tokens": 4},
+    "/v1/chat/completions/batch": {"messages": [MESSAGES, MESSAGES], "max_tokens": 4},
+    "/v1/responses": {"input": "tell me a story", "max_output_tokens": 4},
+    "/v1/messages": {"messages": MESSAGES, "max_tokens": 4},
+    "/v1/completions/render": {"prompt": [5, 6, 7], "max_tokens": 4},
+    "/v1/chat/completions/render": {"messages": MESSAGES, "max_tokens": 4},
+    "/v1/messages/render": {"messages": MESSAGES, "max_tokens": 4},
+}
+STREAMS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+GOOD = {"kv_compress": "snapkv-span", "kv_compress_ratio": 0.75, "kv_compress_protect_prefix": 1}
+
+
+def post(server, path, xargs, **kw):
+    body = {"model": server.model, **ENDPOINTS[path], "vllm_xargs": xargs, **kw}
+    return requests.post(server.url + path, json=body, timeout=TIMEOUT)
+
+
+def error_message(response) -> str:
+    """The message of a 400 body: OpenAI's shape, or Anthropic's on /v1/messages."""
+    assert response.status_code == 400, response.text
+    body = response.json()
+    if body.get("type") == "error":  # {"type": "error", "error": {"type": ..., "message": ...}}
+        assert body["error"]["type"] == "BadRequestError", body
+    else:
+        assert body["error"]["code"] == 400 and body["error"]["param"] == "kv_compress", body
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize("path", sorted(ENDPOINTS))
+def test_every_endpoint_refuses_booleans_and_near_misses_alike(server, path):
+    """The issue's /v1/responses bodies, on every endpoint that takes vllm_xargs:
+    a JSON boolean is a 400 naming the field (never 1), streamed or not, and so is a near-miss key."""
+    assert post(server, path, GOOD).status_code == 200
+    for field, value in (("protect_prefix", True), ("budget", True), ("ratio", [False])):
+        xargs = {**GOOD, f"kv_compress_{field}": value}
+        expected = f"kv_compress.{'compression_ratio' if field == 'ratio' else field}: expected a number or a name, " \
+                   f"got the JSON boolean {'false in a list' if field == 'ratio' else 'true'}"
+        assert expected in error_message(post(server, path, xargs)), (path, field)
+        if path in STREAMS:
+            assert expected in error_message(post(server, path, xargs, stream=True)), (path, field)
+    for key in ("kv-compress-budget", "kv_compress.budget"):
+        message = error_message(post(server, path, {"kv_compress": "h2o", key: 64}))
+        assert f"kv_compress.{key!r}: unknown per-request key" in message, (path, message)
+    assert_alive_and_whole(server)
 
 
 def _settings():
