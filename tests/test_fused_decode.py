@@ -38,3 +38,32 @@ def test_metadata_edits_shorten_fused_rows_in_compressed_groups_only():
     assert edits.apply(cm, 1).max_seq_len == 110 and edits.apply(cm, 0) is cm
     with pytest.raises(RuntimeError, match="metadata for 4 requests, step planned 3"):
         step_inputs.MetadataEdits(3, {}, rows, rows, frozenset({0})).apply(cm, 0)
+
+
+def test_model_runner_v2_edits_every_compressed_group_from_the_logical_lengths():
+    """MRV2's seq_lens stay logical (its sampler reads them): every compressed
+    group, group 0 included, gets its physical lengths as an absolute edit,
+    from the runner view's offsets; V1's takes group 0's in place."""
+    import numpy as np
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from vllm_kvcompress.vllm_seam.worker.runner_view import MRV2View
+
+    logical = torch.tensor([300, 7, 120], dtype=torch.int32)
+    cm = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 2, 3]), query_start_loc_cpu=torch.tensor([0, 1, 2, 3]),
+        seq_lens=logical, num_reqs=3, num_actual_tokens=3, max_query_len=1, max_seq_len=300,
+        block_table_tensor=torch.zeros(3, 10, dtype=torch.int32), slot_mapping=torch.zeros(3, dtype=torch.int64),
+        seq_lens_cpu_upper_bound=logical.clone())
+    # vLLM groups: 0 sliding (hybrid, never evicts), 1 and 2 compressed.
+    offsets = np.array([[0, 200, 250], [0, 0, 0], [0, 64, 0]])
+    deltas = MRV2View(runner=None).seq_len_deltas(offsets)
+    assert sorted(deltas) == [1, 2]
+    none = torch.tensor([], dtype=torch.int64)
+    edits = step_inputs.MetadataEdits(3, deltas, none, none, frozenset({1, 2}))
+    assert edits.apply(cm, 0) is cm
+    assert edits.apply(cm, 1).seq_lens.tolist() == [100, 7, 56]
+    assert edits.apply(cm, 2).seq_lens.tolist() == [50, 7, 120]
+    assert edits.apply(cm, 2).seq_lens_cpu_upper_bound.tolist() == [50, 7, 120]
+    assert edits.apply(cm, 1).max_seq_len == 300  # an upper bound still
+    assert cm.seq_lens.tolist() == [300, 7, 120]  # the sampler's lengths untouched
