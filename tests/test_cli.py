@@ -3,7 +3,9 @@ every process: tests/test_server.py, whose servers start from a recipe and flags
 
 from __future__ import annotations
 
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -20,15 +22,52 @@ BAD_FLAGS = [
 ]
 
 
+# Recipe mistakes (--kv-compress-config FILE): the file's name -> how it is
+# made, and what the one error line says after the file's name.
+BAD_RECIPES = {
+    "fifo": (os.mkfifo, "is a FIFO, not a regular file"),  # opening it would wait for a writer
+    "utf16.yaml": (lambda p: p.write_bytes(b"\xff\xfepolicy: snapkv\n"), "is not UTF-8 text (byte 0xff at offset 0)"),
+    "empty.yaml": (lambda p: p.write_text(""), "is empty: a recipe names its policy"),
+    "comments.yaml": (lambda p: p.write_text("# nothing yet\n"), "is empty: a recipe names its policy"),
+    "no-policy.yaml": (lambda p: p.write_text("kv_compress:\n  budget: 64\n"), "names no policy"),
+    "null-policy.yaml": (lambda p: p.write_text("policy:\nbudget: 64\n"), "names no policy"),
+    "list.yaml": (lambda p: p.write_text("- snapkv\n"), "is not a YAML mapping of settings"),
+    "folder": (Path.mkdir, "is a directory, not a regular file"),
+    "/dev/null": (None, "is a character device, not a regular file"),
+    "/dev/zero": (None, "is a character device, not a regular file"),  # would read forever
+    "huge.yaml": (lambda p: p.write_text("# padding\n" * 110_000), "is larger than 1048576 bytes (1 MiB)"),
+}
+REAL_RECIPES = ("fifo", "utf16.yaml")  # also as the real command; every one through the parser below
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory) -> Path:
+    """A folder with each of BAD_RECIPES made."""
+    folder = tmp_path_factory.mktemp("recipes")
+    for name, (make, _) in BAD_RECIPES.items():
+        if make is not None:
+            make(folder / name)
+    return folder
+
+
+def recipe_path(recipes: Path, name: str) -> str:
+    return name if name.startswith("/") else str(recipes / name)
+
+
 def bad_flag_command(tiny_model: str, args: list[str]) -> tuple[str, ...]:
     return ("serve", tiny_model, "--dtype", "float32", *args)
 
 
+def bad_recipe_command(tiny_model: str, recipes: Path, name: str) -> tuple[str, ...]:
+    return bad_flag_command(tiny_model, ["--kv-compress-config", recipe_path(recipes, name)])
+
+
 @pytest.fixture(scope="module")
-def commands(tiny_model) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+def commands(tiny_model, recipes) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
     """The real `vllm` commands this module checks, run at once (each spends
     its seconds importing vLLM): command -> its result."""
-    wanted = [HELP, *(bad_flag_command(tiny_model, args) for args, _ in BAD_FLAGS)]
+    wanted = [HELP, *(bad_flag_command(tiny_model, args) for args, _ in BAD_FLAGS),
+              *(bad_recipe_command(tiny_model, recipes, name) for name in REAL_RECIPES)]
     procs = {c: subprocess.Popen([VLLM, *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for c in wanted}
     results = {}
@@ -54,6 +93,18 @@ def test_bad_flag_fails_the_real_command_with_one_line(commands, tiny_model, arg
     out = commands[bad_flag_command(tiny_model, args)]
     assert out.returncode == 2, out.stderr[-2000:]
     errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and needle in errors[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("name", REAL_RECIPES)
+def test_bad_recipe_fails_the_real_command_with_one_line(commands, tiny_model, recipes, name):
+    """The issue's not-UTF-8 recipe (a 56-line traceback) and a FIFO (startup hung)."""
+    out = commands[bad_recipe_command(tiny_model, recipes, name)]
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if "error:" in line]
+    needle = f"kv_compress.config: the recipe {recipe_path(recipes, name)!r} (--kv-compress-config) " \
+             f"{BAD_RECIPES[name][1]}"
     assert len(errors) == 1 and needle in errors[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr
 
@@ -86,6 +137,20 @@ def test_bad_flag_combinations_name_the_field(tiny_model, args, needle, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and needle in errors[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", sorted(BAD_RECIPES))
+def test_bad_recipes_name_the_file_and_the_mistake(tiny_model, recipes, name, capsys):
+    """Each recipe mistake: exit 2, one error line naming the file and what is wrong, no traceback."""
+    path = recipe_path(recipes, name)
+    with pytest.raises(SystemExit) as e:
+        serve_parser().parse_args(["--model", tiny_model, "--kv-compress-config", path])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    needle = f"kv_compress.config: the recipe {path!r} (--kv-compress-config) {BAD_RECIPES[name][1]}"
     assert len(errors) == 1 and needle in errors[0], err
     assert "Traceback" not in err
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,25 +199,29 @@ class KVCompressConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> KVCompressConfig:
+        """A recipe: a YAML mapping (optionally under `kv_compress:`) that names its policy."""
         import yaml
 
+        text = _read_recipe(path)
         try:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise _fail("config", f"cannot read the recipe {str(path)!r} (--kv-compress-config): "
-                                  f"{e.strerror or e}") from None
+            data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             problem = " ".join(str(e).split())
             raise _fail("config", f"the recipe {str(path)!r} is not valid YAML: {problem}") from None
-        if not isinstance(data, Mapping):
-            raise KVCompressConfigError(f"{path}: a kv_compress recipe must be a YAML mapping")
         # Recipes may nest everything under `kv_compress:`.
-        if set(data) == {CONFIG_KEY}:
+        if isinstance(data, Mapping) and set(data) == {CONFIG_KEY}:
             data = data[CONFIG_KEY]
-        if isinstance(data, Mapping):  # a file a recipe names is relative to the recipe
-            data = {k: str(Path(path).parent / v) if k in PATH_PARAMS and isinstance(v, str)
-                    and v and not Path(v).is_absolute() else v for k, v in data.items()}
+        if data is None:
+            raise _recipe_error(path, "is empty: a recipe names its policy (policy: none serves without "
+                                      "compression)")
+        if not isinstance(data, Mapping):
+            raise _recipe_error(path, "is not a YAML mapping of settings (e.g. policy: snapkv)")
+        if data.get("policy") is None:
+            raise _recipe_error(path, "names no policy: a recipe names its policy (policy: none serves without "
+                                      "compression)")
+        # A file a recipe names is relative to the recipe.
+        data = {k: str(Path(path).parent / v) if k in PATH_PARAMS and isinstance(v, str)
+                and v and not Path(v).is_absolute() else v for k, v in data.items()}
         return cls.from_dict(data)
 
     def merged(self, overrides: Mapping[str, Any], startup: bool = False,
@@ -339,6 +345,46 @@ class KVCompressConfig:
             return max(prompt_len, min_budget)
         removed = math.floor(prompt_len * self.compression_ratio)
         return max(prompt_len - removed, min_budget)
+
+
+# A recipe is a few hundred bytes; a larger file is not one (a checkpoint, a
+# log), and is neither read whole into memory nor parsed (PyYAML is pure
+# Python: seconds per MB). The retrieval profiles a recipe names have the same bound.
+MAX_RECIPE_BYTES = 1 << 20
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _recipe_error(path: str | Path, problem: str) -> KVCompressConfigError:
+    return _fail("config", f"the recipe {str(path)!r} (--kv-compress-config) {problem}")
+
+
+def _read_recipe(path: str | Path) -> str:
+    """A recipe's text: a regular file of at most MAX_RECIPE_BYTES of UTF-8.
+
+    What the path is, is checked before it is opened (opening a FIFO waits
+    for a writer; a device reads forever), and again on the opened file,
+    which is opened without waiting, in case the path changed in between.
+    """
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "a special file")
+            raise _recipe_error(path, f"is {kind}, not a regular file")
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise _recipe_error(path, "is not a regular file")
+            data = f.read(MAX_RECIPE_BYTES + 1)
+    except OSError as e:
+        raise _fail("config", f"cannot read the recipe {str(path)!r} (--kv-compress-config): "
+                              f"{e.strerror or e}") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise _recipe_error(path, f"is larger than {MAX_RECIPE_BYTES} bytes (1 MiB): not a recipe")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _recipe_error(path, f"is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
 
 
 def _is_name_in(value: Any, registry: Mapping[str, Any]) -> bool:
