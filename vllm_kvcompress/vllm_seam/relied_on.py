@@ -100,7 +100,6 @@ attribute | vllm.v1.engine:EngineCoreOutputs.outputs | 0.32-0.34 | a failed requ
 class | vllm.v1.engine:FinishReason | 0.32-0.34 | imported by scheduler.py
 attribute | vllm.v1.engine:FinishReason.ERROR | 0.32-0.34 | finish_reason of a failed request
 attribute | vllm.v1.outputs:ModelRunnerOutput.sampled_token_ids | 0.32-0.34 | a failed request's token is dropped
-attribute | vllm.v1.outputs:ModelRunnerOutput.req_id_to_index | 0.32-0.34 | the scheduler's update_from_output
 attribute | vllm.v1.outputs:ModelRunnerOutput.req_ids | 0.32-0.34 | the rows of sampled_token_ids
 attribute | vllm.v1.engine:EngineCoreRequest.prompt_token_ids | 0.32-0.34 | wrap_process_inputs: the prompt's length
 attribute | vllm.v1.engine:EngineCoreRequest.prompt_embeds | 0.32-0.34 | wrap_process_inputs: the prompt's length

@@ -228,8 +228,8 @@ class KVCompressScheduler(Scheduler):
         if failed and model_runner_output.sampled_token_ids:
             # A failed request's token of this step came from a cache its
             # compression left unusable: it is not emitted.
-            index = model_runner_output.req_id_to_index
-            dropped = {index[rid] for rid in failed if rid in index}
+            failing = set(failed)  # rows by req_ids (0.34 has no req_id_to_index)
+            dropped = {i for i, rid in enumerate(model_runner_output.req_ids) if rid in failing}
             model_runner_output.sampled_token_ids = [[] if i in dropped else list(t) for i, t in
                                                      enumerate(model_runner_output.sampled_token_ids)]
         outputs = super().update_from_output(scheduler_output, model_runner_output)

@@ -180,4 +180,8 @@ def view_of(runner) -> RunnerView:
     (the CPU runner's), V1 otherwise (vLLM's V1 runner, the GPU harness)."""
     if any(cls.__module__ == MRV2_MODULE for cls in type(runner).__mro__):
         return MRV2View(runner)
-    return V1View(runner)
+    if hasattr(runner, "requests") and hasattr(runner, "input_batch"):
+        return V1View(runner)
+    # e.g. vLLM 0.34's CPU runner without Triton (non-x86), which is neither.
+    raise RuntimeError(f"kv_compress: model runner {type(runner).__module__}.{type(runner).__name__} is not "
+                       f"supported (V1's GPUModelRunner or Model Runner V2 and their subclasses)")
