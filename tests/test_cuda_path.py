@@ -108,6 +108,53 @@ def test_flash_attn_metadata_follows_each_compressed_groups_length(vllm_config, 
     assert built[1].seq_lens.tolist() == [1, group1[1], 1]
 
 
+def test_model_runner_v2_flash_attn_metadata_follows_each_group_from_logical_lengths(vllm_config, monkeypatch):
+    """Model Runner V2 builds every group's metadata in `attn_utils.build_attn_metadata`
+    from shared seq_lens that stay logical (its sampler reads them): each
+    compressed group's physical lengths, group 0's included, come from the
+    plugin's absolute edits; vLLM's shared lengths are left as they were."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+    from vllm.v1.worker.utils import AttentionGroup
+
+    from vllm_kvcompress.vllm_seam.attention import KVCompressFlashBackend
+    from vllm_kvcompress.vllm_seam.block_manager import compressed_spec
+
+    monkeypatch.setattr(vllm_config, "additional_config", {CONFIG_KEY: KVCompressConfig().to_dict()})
+    logical = [n + 100 for n in GROUP0_LENS]
+    offsets = [[100, 100 + d] for d in DELTAS]  # per request: evicted tokens in groups 0 and 1
+    none = torch.tensor([], dtype=torch.int64)
+    edits = step_inputs.MetadataEdits(
+        3, {g: torch.tensor([o[g] for o in offsets], dtype=torch.int32) for g in range(2)}, none, none,
+        frozenset({0, 1}))
+    spec = compressed_spec(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float32))
+    worker = types.SimpleNamespace(metadata_edits=edits)
+    attn_groups = []
+    for gid, names in enumerate(LAYERS):
+        group = AttentionGroup(backend=KVCompressFlashBackend, layer_names=names, kv_cache_spec=spec,
+                               kv_cache_group_id=gid)
+        group.create_metadata_builders(vllm_config, torch.device("cpu"))
+        attach(group, worker)
+        attn_groups.append([group])
+    seq_lens = torch.tensor(logical, dtype=torch.int32)
+    query_start = torch.tensor([0, 1, 5, 6], dtype=torch.int32)
+    tables = [torch.arange(g * 100, g * 100 + 3 * 8, dtype=torch.int32).view(3, 8) for g in range(2)]
+    config = types.SimpleNamespace(
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec) for names in LAYERS])
+    metadata = build_attn_metadata(
+        attn_groups=attn_groups, num_reqs=3, num_tokens=6, query_start_loc_gpu=query_start,
+        query_start_loc_cpu=query_start.clone(), max_query_len=4, seq_lens=seq_lens, max_seq_len=max(logical),
+        block_tables=tables, slot_mappings=torch.arange(12, dtype=torch.int64).view(2, 6), kv_cache_config=config,
+        seq_lens_cpu_upper_bound=seq_lens.clone())
+    built = [metadata[names[0]] for names in LAYERS]
+    assert all(isinstance(m, FlashAttentionMetadata) for m in built)
+    assert built[0].seq_lens.tolist() == GROUP0_LENS
+    assert built[1].seq_lens.tolist() == [n - d for n, d in zip(GROUP0_LENS, DELTAS)]
+    assert all(m.max_seq_len >= max(m.seq_lens.tolist()) for m in built)
+    assert seq_lens.tolist() == logical  # the sampler's lengths untouched
+
+
 def test_flash_attn_builder_keeps_vllms_reuse_without_compression(vllm_config):
     """With the plugin installed and compression off, vLLM's behaviour is unchanged."""
     from vllm_kvcompress.vllm_seam.attention import KVCompressFlashBackend
