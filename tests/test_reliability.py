@@ -139,6 +139,26 @@ def test_json_booleans_are_found_in_the_raw_body():
     assert boolean_setting(b"not json") is None
 
 
+def test_echoed_values_are_cut():
+    """One helper (limits.shown) formats every value a message echoes: short
+    values as they are, long ones cut to MAX_SHOWN characters with their length."""
+    from vllm_kvcompress.config import field_name
+    from vllm_kvcompress.limits import MAX_SHOWN, shown
+
+    assert (shown(64), shown("snapkv"), shown(True), shown(0.5)) == ("64", "'snapkv'", "True", "0.5")
+    assert shown(10**40) == "100000000000... (41 digits)"
+    assert shown("x" * 10**6) == repr("x" * MAX_SHOWN) + "... (1000000 characters)"
+    nested: list = []
+    for _ in range(40):
+        nested = [nested, nested, "y" * 10**5]  # formatted whole, 2**40 lists
+    for value in (nested, ["z" * 10**6] * 1000, {"k" * 10**6: "v" * 10**6}, -(10**5000 // 10**4000)):
+        assert len(shown(value)) < 4 * MAX_SHOWN
+    assert field_name("budget") == "budget" and len(field_name("b" * 10**6)) < 2 * MAX_SHOWN
+    with pytest.raises(KVCompressConfigError) as e:
+        KVCompressConfig.from_dict({"policy": "p" * 10**6})
+    assert len(str(e.value)) < 2048 and "(1000000 characters)" in str(e.value)
+
+
 def _xargs_routes() -> dict[str, tuple[type, str]]:
     """The routes of vLLM's OpenAI-compatible server (built as `vllm serve` builds
     it, every task and scale-out on) whose request model carries `vllm_xargs` (a
@@ -391,6 +411,44 @@ def test_every_endpoint_refuses_booleans_and_near_misses_alike(server, path):
         message = error_message(post(server, path, {"kv_compress": "h2o", key: 64}))
         assert f"kv_compress.{key!r}: unknown per-request key" in message, (path, message)
     assert_alive_and_whole(server)
+
+
+def test_generate_takes_extra_args_as_json_and_refuses_a_boolean(server):
+    """/inference/v1/generate (scale-out) takes what render returns, with
+    `extra_args` as JSON: a boolean stays one, and the engine's check refuses it."""
+    rendered = post(server, "/v1/completions/render", {"kv_compress": "h2o", "kv_compress_budget": 64})
+    assert rendered.status_code == 200, rendered.text
+    (body,) = rendered.json()
+    assert body["sampling_params"]["extra_args"]["kv_compress_budget"] == 64
+    ok = requests.post(server.url + "/inference/v1/generate", json=body, timeout=TIMEOUT)
+    assert ok.status_code == 200, ok.text
+    body["sampling_params"]["extra_args"]["kv_compress_budget"] = True
+    bad = requests.post(server.url + "/inference/v1/generate", json=body, timeout=TIMEOUT)
+    assert "kv_compress.budget: expected int, got bool True" in error_message(bad)
+
+
+MB = 10**6
+# A 1 MB value in every place a message echoes one: the policy, a field's
+# value, a component's choice, a key (unknown, near-miss, given twice, a
+# boolean's), a nested value.
+HUGE_XARGS = {
+    "policy": {"kv_compress": "p" * MB},
+    "value": {"kv_compress": "h2o", "kv_compress_budget": "9" * MB},
+    "choice": {"kv_compress": "snapkv", "kv_compress_budget": 64, "kv_compress_pooling": "q" * MB},
+    "component": {"kv_compress": "h2o", "kv_compress_budget": 64, "kv_compress_trigger": "t" * MB},
+    "unknown key": {"kv_compress": "h2o", "kv_compress_budget": 64, "kv_compress_" + "f" * MB: 1},
+    "near-miss key": {"kv_compress": "h2o", "kv-compress-" + "n" * MB: 1},
+    "boolean key": {"kv_compress": "h2o", "kv_compress_" + "b" * MB: True},
+    "list": {"kv_compress": "h2o", "kv_compress_budget": ["l" * MB] * 2},
+}
+
+
+@pytest.mark.parametrize("what", sorted(HUGE_XARGS))
+def test_a_1mb_bad_value_gets_a_short_error_body(server, what):
+    for path in ("/v1/completions", "/v1/responses", "/v1/messages"):
+        response = post(server, path, HUGE_XARGS[what])
+        assert response.status_code == 400 and len(response.content) < 2048, (path, len(response.content))
+        assert error_message(response).startswith("kv_compress."), (path, response.text)
 
 
 def _settings():

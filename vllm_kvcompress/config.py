@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .budgets import ALLOCATIONS
-from .limits import Bound, EngineLimits, field_bound
+from .limits import MAX_SHOWN, Bound, EngineLimits, field_bound, shown
 from .merge import MERGES
 from .registry import POLICIES, Components, component_classes
 from .scorers import SCORERS
@@ -110,9 +110,9 @@ def _check_type(name: str, value: Any, expected: Any, bound: Bound | None = None
     else:
         ok = isinstance(value, py_type)
     if not ok:
-        raise _fail(name, f"expected {py_type.__name__}, got {type(value).__name__} {value!r}")
+        raise _fail(name, f"expected {py_type.__name__}, got {type(value).__name__} {shown(value)}")
     if py_type is float and not math.isfinite(value):
-        raise _fail(name, f"must be a finite number, got {value!r}")
+        raise _fail(name, f"must be a finite number, got {shown(value)}")
     if py_type is int and bound is not None:
         problem = bound.problem(value, limits)
         if problem is not None:
@@ -165,13 +165,13 @@ class KVCompressConfig:
         if policy is None:
             policy = "none"
         if not isinstance(policy, str) or policy not in POLICIES:
-            raise _fail("policy", f"unknown policy {policy!r}; valid policies: {sorted(POLICIES)}")
+            raise _fail("policy", f"unknown policy {shown(policy)}; valid policies: {sorted(POLICIES)}")
         common: dict[str, Any] = {}
         for name, expected in _OPTIONAL_FIELDS.items():
             value = data.pop(name, None)
             common[name] = None if value is None else _check_type(name, value, expected, _BOUNDS.get(name), limits)
             if name in _CHOICES and common[name] is not None and common[name] not in _CHOICES[name]:
-                raise _fail(name, f"unknown {name} {common[name]!r}; valid values: {sorted(_CHOICES[name])}")
+                raise _fail(name, f"unknown {name} {shown(common[name])}; valid values: {sorted(_CHOICES[name])}")
         if common["trigger"] is None and data.get("prompt_chunk") is not None:
             # Shorthand: a prompt chunk streams the prompt; 0 means "do not stream".
             if data["prompt_chunk"] == 0:
@@ -186,7 +186,7 @@ class KVCompressConfig:
         unknown = sorted((k for k in data if k not in params), key=str)
         if unknown:
             raise _fail(
-                _field_name(unknown[0]),
+                field_name(unknown[0]),
                 f"unknown field for policy {policy!r}"
                 f"{_describe({name: common[name] for name in COMPONENT_FIELDS})}; valid fields: "
                 f"{list(COMMON_FIELDS) + sorted(params)}",
@@ -391,9 +391,10 @@ def _is_name_in(value: Any, registry: Mapping[str, Any]) -> bool:
     return isinstance(value, str) and value in registry
 
 
-def _field_name(key: Any) -> str:
-    """A key as the error names it: plain if it could be a field, quoted otherwise."""
-    return key if isinstance(key, str) and key.isascii() and key.isidentifier() else repr(key)
+def field_name(key: Any) -> str:
+    """A key as the error names it: plain if it could be a field, quoted (and cut) otherwise."""
+    plain = isinstance(key, str) and key.isascii() and key.isidentifier() and len(key) <= MAX_SHOWN
+    return key if plain else shown(key)
 
 
 def _describe(components: Mapping[str, str | None]) -> str:
@@ -418,7 +419,7 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | 
     elif isinstance(nested, Mapping):
         out.update(nested)
     elif nested is not None:
-        raise _fail("policy", f"expected a policy name or an object, got {type(nested).__name__} {nested!r}")
+        raise _fail("policy", f"expected a policy name or an object, got {type(nested).__name__} {shown(nested)}")
     prefix = CONFIG_KEY + "_"
     for key, value in extra_args.items():
         if not isinstance(key, str) or key == CONFIG_KEY or not looks_like_ours(key):
@@ -428,12 +429,12 @@ def request_overrides(extra_args: Mapping[str, Any] | None) -> dict[str, Any] | 
             # A near miss ("kv_compress.budget", "kv-compress-budget") would
             # otherwise be ignored, and the request would run with settings
             # its client did not ask for.
-            raise _fail(_field_name(key), f"unknown per-request key; valid keys: {CONFIG_KEY!r} (a policy name, "
+            raise _fail(field_name(key), f"unknown per-request key; valid keys: {CONFIG_KEY!r} (a policy name, "
                                           f"or an object of fields) and flat '{prefix}<field>' keys, e.g. "
                                           f"'{prefix}budget'")
         name = FIELD_ALIASES.get(name, name)
         if name in out:
-            raise _fail(name, f"given twice (as {key!r} and inside {CONFIG_KEY!r})")
+            raise _fail(field_name(name), f"given twice (as {shown(key)} and inside {CONFIG_KEY!r})")
         out[name] = value
     return out or None
 

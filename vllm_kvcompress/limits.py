@@ -21,11 +21,42 @@ multiply, so no float can round to a size out of range.
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
 ABSOLUTE_MAX = 2**31 - 1  # any token count, layer count or seed: vLLM's lengths are int32
 SEED_MAX = 2**31 - 1  # hash_uniform keeps 31 bits of a seed
+
+
+MAX_SHOWN = 60  # characters of a value that an error message echoes
+
+_REPR = reprlib.Repr()  # cuts while it formats: a huge or deeply nested value is never formatted whole
+_REPR.maxstring = _REPR.maxother = MAX_SHOWN // 3
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 4
+_REPR.maxlevel = 2
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message echoes it (its repr), cut: a string to
+    MAX_SHOWN characters and its length (a client's 1 MB name gives a short
+    message), an integer past 30 digits to its first 12 and its length, any
+    other value to 2 * MAX_SHOWN characters."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) < 10**30:
+            return str(value)
+        try:
+            text = str(value)
+        except ValueError:  # beyond Python's int-to-str limit (4300 digits)
+            return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+        return f"{text[:12]}... ({len(text.lstrip('-'))} digits)"
+    if isinstance(value, str) and len(value) > MAX_SHOWN:
+        return f"{value[:MAX_SHOWN]!r}... ({len(value)} characters)"
+    try:
+        text = _REPR.repr(value)
+    except ValueError:  # an integer inside beyond Python's int-to-str limit
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 2 * MAX_SHOWN else text[:2 * MAX_SHOWN] + "..."
 
 
 @dataclass(frozen=True)
@@ -66,8 +97,7 @@ class Bound:
         """Why `value` is out of range (None: it is in range)."""
         if self.low <= value <= self.high(limits):
             return None
-        shown = value if abs(value) < 10**30 else f"{str(value)[:12]}... ({len(str(abs(value)))} digits)"
-        return f"{shown} is out of range; valid values: {self.describe(limits)}"
+        return f"{shown(value)} is out of range; valid values: {self.describe(limits)}"
 
 
 def bounded(low: int, upper: str, **metadata: Any) -> dict[str, Any]:

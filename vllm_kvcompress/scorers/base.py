@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..compat import Component, Problem, first_problem
-from ..limits import bounded
+from ..limits import bounded, shown
 from ..sharding import ONE_DEVICE, HeadShard
 
 if TYPE_CHECKING:
@@ -306,7 +306,7 @@ class KeepsObservationWindow(Scorer):
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        raise ValueError(f"{name} must be one of {list(choices)}, got {shown(value)}")
 
 
 def check_at_least(name: str, value: float, low: float, unit: str = "") -> None:

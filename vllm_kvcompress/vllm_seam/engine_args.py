@@ -20,6 +20,7 @@ from ..config import (
     KVCompressConfig,
     KVCompressConfigError,
     all_params,
+    field_name,
     looks_like_ours,
     param_field,
     request_overrides,
@@ -508,6 +509,6 @@ def boolean_in(xargs: Any) -> str | None:
         if looks_like_ours(key) and booleans:
             name = key.removeprefix(CONFIG_KEY + "_") if key != CONFIG_KEY else "policy"
             got = json.dumps(booleans[0]) + (" in a list" if isinstance(value, list) else "")
-            return (f"{CONFIG_KEY}.{FIELD_ALIASES.get(name, name)}: expected a number or a name, got "
+            return (f"{CONFIG_KEY}.{field_name(FIELD_ALIASES.get(name, name))}: expected a number or a name, got "
                     f"the JSON boolean {got}")
     return None
