@@ -20,6 +20,19 @@ BAD_FLAGS = [
     (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--kv-compress-interval", "100000000000"],
      "kv_compress.interval: 100000000000 is out of range"),
 ]
+# Refused once the engine config is known (engine_args.prepare_engine_args,
+# check_model), read as argument errors by `vllm serve` (engine_args.wrap_serve_cmd):
+# the first also as the real command (in BAD_FLAGS), all three in process below.
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
+ENGINE_REFUSALS = [
+    (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--speculative-config", SPECULATIVE],
+     "vllm serve: error: kv_compress cannot be served with speculative decoding"),
+    (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--pipeline-parallel-size", "2"],
+     "vllm serve: error: kv_compress cannot be served with pipeline parallelism"),
+    (["--kv-compress", "h2o", "--kv-compress-budget", "2000", "--max-model-len", "1024"],
+     "vllm serve: error: kv_compress.budget: 2000 is out of range; valid values: 1 .. 1024 (max_model_len)"),
+]
+BAD_FLAGS.append(ENGINE_REFUSALS[0])
 
 
 # Recipe mistakes (--kv-compress-config FILE): the file's name -> how it is
@@ -152,6 +165,25 @@ def test_bad_recipes_name_the_file_and_the_mistake(tiny_model, recipes, name, ca
     errors = [line for line in err.splitlines() if "error:" in line]
     needle = f"kv_compress.config: the recipe {path!r} (--kv-compress-config) {BAD_RECIPES[name][1]}"
     assert len(errors) == 1 and needle in errors[0], err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, needle", ENGINE_REFUSALS)
+def test_engine_refusals_are_one_line_and_exit_2(tiny_model, args, needle, capsys):
+    """What `vllm serve` runs to the engine config, under the hook it runs in:
+    one error line, exit 2, no traceback (the real command: BAD_FLAGS)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from vllm_kvcompress.vllm_seam.engine_args import wrap_serve_cmd
+
+    parsed = serve_parser().parse_args(["--model", tiny_model, "--dtype", "float32", *args])
+    serve = wrap_serve_cmd(lambda a: AsyncEngineArgs.from_cli_args(a).create_engine_config())
+    with pytest.raises(SystemExit) as e:
+        serve(parsed)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(needle), err
     assert "Traceback" not in err
 
 

@@ -10,6 +10,7 @@ import argparse
 import inspect
 import json
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -396,6 +397,23 @@ def wrap_create_engine_config(original):
         return vllm_config
 
     return create_engine_config
+
+
+def wrap_serve_cmd(original):
+    """`vllm serve`: a refusal once the engine config is known (the checks
+    above, raised from `create_engine_config` in this process) reads as an
+    argument error: one line, exit 2; the traceback only at debug level."""
+
+    def cmd(args) -> None:
+        try:
+            original(args)
+        except KVCompressConfigError as e:
+            logger.debug("kv_compress: startup refused", exc_info=True)
+            message = " ".join(str(e).split())
+            print(f"vllm serve: error: {message}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    return cmd
 
 
 # ---------------------------------------------------------------- per request

@@ -95,6 +95,8 @@ vllm.engine.arg_utils | AsyncEngineArgs | __init__ | engine_args.wrap_init | met
     | same for the async engine's arguments (a dataclass with its own __init__)
 vllm.engine.arg_utils | EngineArgs | create_engine_config | engine_args.wrap_create_engine_config | method
     | 0.32-0.34 | validate the config and refuse or make safe what compression cannot serve
+vllm.entrypoints.cli.serve | ServeSubcommand | cmd | engine_args.wrap_serve_cmd | staticmethod | 0.32-0.34
+    | a startup refusal (KVCompressConfigError) is one line and exit 2 from vllm serve, like an argument error
 vllm.v1.engine.input_processor | InputProcessor | process_inputs | engine_args.wrap_process_inputs | method
     | 0.32-0.34 | reject a bad per-request extra_args['kv_compress'] before it reaches the engine core
 vllm.entrypoints.openai.completion.serving | OpenAIServingCompletion | create_completion
