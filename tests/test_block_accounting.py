@@ -37,6 +37,7 @@ def request_stats(engine, request_id: str) -> dict:
     return matches[0]
 
 
+@pytest.mark.mrv2
 def test_blocks_return_to_pool_mid_request(engine):
     core = engine.llm.llm_engine
     start = engine.stats()
@@ -57,6 +58,7 @@ def test_blocks_return_to_pool_mid_request(engine):
     assert engine.stats()["free_blocks"] == start["free_blocks"]
 
 
+@pytest.mark.mrv2
 def test_no_leak_with_preemption_and_aborts(engine):
     core = engine.llm.llm_engine
     start = engine.stats()

@@ -45,6 +45,7 @@ def test_chunked_prefill_matches_reference(engine, reference, override):
     assert engine.stats()["tokens_evicted"] > 0
 
 
+@pytest.mark.mrv2
 @pytest.mark.parametrize("override", [None, {"policy": "h2o", "budget": 64}, {"policy": "tova", "budget": 40}])
 def test_a_one_token_last_chunk_matches_reference(engine, reference, override):
     """97 tokens alone in 48-token steps: the prompt's last chunk is its one

@@ -62,6 +62,28 @@ def test_policy_matches_reference(engine, reference, policy):
     assert after["tokens_evicted"] > before["tokens_evicted"]
 
 
+def policy_config(policy: str, budget: int) -> dict:
+    if POLICIES[policy].trigger == "decode":  # the prompt stays whole: a budget of generated tokens
+        return {"policy": policy, "budget": 12, "interval": 8}
+    return {"policy": policy, "budget": budget}
+
+
+@pytest.mark.mrv2
+def test_every_policy_in_one_batch_matches_reference(engine, reference):
+    """One request per policy (and one uncompressed), all in one batch, each
+    equal to the reference decoder: the per-policy tests above in one run of
+    the engine (the one Model Runner V2 runs too: its steps are slow on CPU)."""
+    lengths = [90 + 13 * i for i in range(len(POLICY_NAMES) + 1)]
+    prompts = random_prompts(lengths, seed=53)
+    configs = [policy_config(p, 48 + 8 * (i % 3)) for i, p in enumerate(POLICY_NAMES)] + [None]
+    before = engine.stats()
+    got = engine.generate(prompts, 24, configs)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict(config) if config else None
+        assert tokens == reference.generate(prompt, 24, cfg, block_size=32)["tokens"], f"{config} {len(prompt)}"
+    assert engine.stats()["compressions"] - before["compressions"] >= len(POLICY_NAMES)
+
+
 @pytest.mark.parametrize("modifier", [{"selection": "span", "span": 8}, {"selection": "chunk", "chunk_length": 10}])
 def test_selection_modifiers_match_reference(engine, reference, modifier):
     """Span carry and chunk selection around different scorers, in one batch."""
@@ -117,7 +139,7 @@ def test_decode_trigger_matches_reference(engine, reference):
         assert bool((kept[:, : len(prompt)] == torch.arange(len(prompt))).all()), "the prompt stays whole"
 
 
-@pytest.mark.parametrize("policy", ["streamingllm", "window"])
+@pytest.mark.parametrize("policy", [pytest.param("streamingllm", marks=pytest.mark.mrv2), "window"])
 def test_streamed_prompt_matches_reference(engine, reference, policy):
     """Evicting while the prompt is prefilled: the engine ends each chunk where
     the planner says, whatever else is in the batch, so it matches the

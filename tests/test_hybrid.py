@@ -80,6 +80,7 @@ def test_policy_matches_reference(engine, reference, policy):
     assert engine.stats()["tokens_evicted"] > before
 
 
+@pytest.mark.mrv2
 def test_selection_and_streaming_match_reference(engine, reference):
     prompts = random_prompts((230, 190, 260), seed=7)
     configs = [

@@ -49,6 +49,7 @@ def test_kv_cache_groups_are_per_layer(per_layer, tiers):
     assert per_layer.stats()["total_blocks"] > tiers.stats()["total_blocks"]  # smaller blocks, more of them
 
 
+@pytest.mark.mrv2
 def test_pyramidkv_and_uniform_policies_match_reference_per_layer(per_layer, reference):
     prompts = random_prompts((300, 230, 120, 260, 180), seed=41)
     configs = [
@@ -141,6 +142,7 @@ def test_per_layer_policies_match_reference_with_tiers(tiers, reference):
     check_against_reference(tiers, reference, 2, prompts, configs)
 
 
+@pytest.mark.mrv2
 def test_each_layer_holds_its_own_blocks(per_layer):
     """A pyramid request holds sum over layers of cdiv(budget_l, block) blocks of one
     layer each, where one shared table would hold num_layers * cdiv(max budget, block)."""

@@ -65,6 +65,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.mrv2
 def test_merged_requests_match_reference_beside_unmerged_ones(per_layer, reference):
     prompts = random_prompts((300, 250, 140, 280, 220, 190, 260), seed=61)
     got = per_layer.generate(prompts, NEW_TOKENS, CONFIGS)

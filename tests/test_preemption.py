@@ -77,6 +77,7 @@ def test_every_policy_survives_preemption(start_engine, tiny_model, reference):
     check(engine, reference, SINGLE_GROUP, 1, seed=71)
 
 
+@pytest.mark.mrv2
 def test_prefix_cached_requests_survive_preemption(start_engine, tiny_model, reference):
     """With prefix caching on, requests share a system prompt (hits as long as
     each policy allows); a preempted one replays its first life, and each

@@ -142,6 +142,7 @@ def test_every_policy_answers_the_same_whatever_the_cache_holds(engine, referenc
         assert tokens == expected(reference, prompt, None)
 
 
+@pytest.mark.mrv2
 def test_protected_prefix_is_shared_by_every_request(engine, reference):
     """With protect_prefix, requests sharing a system prompt hold one shared
     copy of its blocks plus their own compressed remainders (counted in the

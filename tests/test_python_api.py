@@ -81,6 +81,7 @@ def test_additional_config_works_without_importing_the_package(tiny_model, scrip
         assert tokens == ref.generate(prompt, 40, KVCompressConfig.from_dict(config))["tokens"]
 
 
+@pytest.mark.mrv2
 def test_plugin_is_inert_without_kv_compress(start_engine, tiny_model, scripts):
     """Installed but not configured: token-for-token what vLLM gives without the plugin."""
     engine = start_engine(**engine_kwargs(tiny_model))

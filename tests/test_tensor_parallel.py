@@ -70,6 +70,7 @@ def by_prompt_len(stats: dict, lengths: set[int]) -> dict[int, dict]:
     return {r["prefill_len"]: r for r in stats["requests"].values() if r["finished"] and r["prefill_len"] in lengths}
 
 
+@pytest.mark.mrv2
 def test_tensor_parallel_equals_one_device(tp1, tp2, model):
     from kvc_tools.reference_decoder import ReferenceDecoder
 
