@@ -33,16 +33,16 @@ from .triggers import TRIGGERS
 
 CONFIG_KEY = "kv_compress"  # key inside vLLM's additional_config / extra_args
 COMMON_FIELDS = ("policy", "allocation", "trigger", "selection", "merge", "budget", "compression_ratio", "interval",
-                 "protect_prefix", "layer_groups")
+                 "protect_prefix", "layer_groups", "reserve_growth")
 COMPONENT_FIELDS = ("allocation", "trigger", "selection", "merge")  # replace the policy's own component
-ENGINE_FIELDS = ("layer_groups",)  # fixed at startup: a request cannot change them
+ENGINE_FIELDS = ("layer_groups", "reserve_growth")  # fixed at startup: a request cannot change them
 # Common fields other than `policy`, with their types (None when not given).
 _OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "selection": str, "merge": str, "budget": int,
                                      "compression_ratio": float, "interval": int, "protect_prefix": int,
-                                     "layer_groups": int}
+                                     "layer_groups": int, "reserve_growth": int}
 # The common integer fields' ranges (component fields declare theirs in their metadata).
 _BOUNDS = {"budget": Bound(1, "tokens"), "interval": Bound(1, "tokens"), "protect_prefix": Bound(0, "tokens"),
-           "layer_groups": Bound(1, "layers")}
+           "layer_groups": Bound(1, "layers"), "reserve_growth": Bound(0, "tokens")}
 _CHOICES: dict[str, Mapping[str, type]] = {"allocation": ALLOCATIONS, "trigger": TRIGGERS, "selection": SELECTIONS,
                                            "merge": MERGES}
 _COMPONENT_REGISTRIES = (SCORERS, ALLOCATIONS, TRIGGERS, SELECTIONS, MERGES)
@@ -148,6 +148,10 @@ class KVCompressConfig:
     # tiers of equal size), each with its own block table, so layers with
     # different budgets free their own blocks. None: one group.
     layer_groups: int | None = None
+    # Engine setting: growth-aware admission (scheduler `_admits`) reserves
+    # this many tokens of each compressed request's future growth (None: up
+    # to its max_tokens; 0: off, vLLM's admission on the compressed prompt).
+    reserve_growth: int | None = None
     # The components' own parameters, validated against their dataclass fields.
     params: Mapping[str, Any] = field(default_factory=dict)
 
@@ -242,7 +246,8 @@ class KVCompressConfig:
             if overrides.get(name) is not None:  # a value out of its range says so first
                 _check_type(name, overrides[name], _OPTIONAL_FIELDS[name], _BOUNDS.get(name), limits)
             # Not given means 1 group: a request may restate the engine's value.
-            if name in overrides and overrides[name] != (getattr(self, name) or 1):
+            current = (getattr(self, name) or 1) if name == "layer_groups" else getattr(self, name)
+            if name in overrides and overrides[name] != current:
                 if not startup:
                     raise _fail(name, "an engine setting, fixed at startup; a request cannot change it")
                 engine[name] = overrides[name]
@@ -296,6 +301,8 @@ class KVCompressConfig:
             raise _fail("compression_ratio", f"must be in [0, 1), got {self.compression_ratio}")
         if self.budget is not None and self.budget < 1:
             raise _fail("budget", f"must be >= 1 token, got {self.budget}")
+        if self.reserve_growth is not None and self.reserve_growth < 0:
+            raise _fail("reserve_growth", f"must be >= 0 tokens, got {self.reserve_growth}")
         if self.protect_prefix is not None and self.protect_prefix < 0:
             raise _fail("protect_prefix", f"must be >= 0 tokens, got {self.protect_prefix}")
         if parts is None:

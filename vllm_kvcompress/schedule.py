@@ -189,6 +189,33 @@ class RequestSchedule:
         after = self.plan.trigger.held_after_prompt(most, prompt_len, total_len, self.plan.interval)
         return min(total_len, max(hold, after))
 
+    def peak_physical(self, logical_len: int, final_len: int) -> tuple[int, ...] | None:
+        """Most tokens each KV cache group holds from `logical_len` tokens
+        computed until `final_len` (None: compression off, all of them), for
+        growth-aware admission (the scheduler's `_admits`).
+
+        The prompt, if still ahead, whole (or its budget plus a streamed
+        chunk); after it, what the trigger keeps (`held_after_prompt`: the
+        budget plus every output under 'once', plus an interval under a
+        rolling trigger). Layer budgets still to come from the prompt's
+        attention count as the whole prompt.
+        """
+        if self.plan is None or self.budgets is None:
+            return None
+        plan, chunk = self.plan, self._prompt_chunk()
+        prompt_len = plan.prompt_len
+        out = []
+        for budget, evicted in zip(self.budgets, self.num_evicted):
+            if self.budgets_pending:
+                budget = max(budget, prompt_len)
+            held = [logical_len - evicted]
+            if logical_len < prompt_len:
+                held.append(budget + max(chunk, plan.interval) if chunk else prompt_len)
+            if final_len > prompt_len:
+                held.append(plan.trigger.held_after_prompt(budget, prompt_len, final_len, plan.interval))
+            out.append(max(0, min(max(held), final_len - evicted)))
+        return tuple(out)
+
     def _prompt_chunk(self) -> int:
         return 0 if self.plan is None else self.plan.trigger.chunk_size()
 

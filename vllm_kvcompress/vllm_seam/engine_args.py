@@ -63,6 +63,9 @@ _COMMON_OPTIONS = {
                      "table (the number of layers, or a divisor: contiguous tiers); needed by per-layer budgets "
                      "(pyramid, adaptive and retrieval allocations) to free memory per layer, and one per layer by "
                      "merge minicache (default: 1)"),
+    "reserve-growth": ("reserve_growth", int, "admission of a compressed request reserves this many tokens of each "
+                       "running compressed request's growth (default: all, up to its max_tokens; 0: vLLM's admission "
+                       "on the compressed prompt alone; set it when max_tokens is far above what requests generate)"),
 }
 
 

@@ -29,7 +29,7 @@ from vllm.v1.request import RequestStatus
 from ..accounting import CompressionStats
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..plan import resolve_plan
-from ..schedule import RequestSchedule
+from ..schedule import RequestSchedule, cdiv
 from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, log_failure, report_of
 from .block_manager import CompressedAttentionManager
 from .groups import CompressedLayers
@@ -270,8 +270,58 @@ class KVCompressScheduler(Scheduler):
             # waiting request this step; 0.33+ requeues it and goes on with
             # the others (answers are exact either way: it replays as preempted).
             return 0
+        if num_new_tokens and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) \
+                and not self._admits(request):
+            # Growth-aware admission: it waits (with every waiting request
+            # behind it, on 0.32) until the running set's growth leaves room.
+            return 0
         cap = self._request_state(request).tokens_until_due(num_computed_tokens)
         return num_new_tokens if cap is None else min(num_new_tokens, cap)
+
+    # ------------------------------------------------------------ admission
+
+    def _admits(self, request) -> bool:
+        """Whether a waiting compressed request may start now (a vanilla one: always, vLLM decides).
+
+        vLLM admits a request when its prompt's blocks are free. A compressed
+        prompt needs few blocks once compressed, so many are admitted, grow
+        together (the outputs are kept) and preempt each other; a preempted
+        one recomputes its whole prompt. Here every running request reserves
+        what it may still grow to until its end (`RequestSchedule.peak_physical`
+        up to its `max_tokens` and `max_model_len`, or the next `reserve_growth`
+        tokens), and the new one its whole peak (its prompt, then what it
+        keeps): it starts only if all of it, plus vLLM's watermark, fits the
+        free blocks. The first request always starts (vLLM checked at startup
+        that one of `max_model_len` fits). Blocks of uncompressed groups (a
+        hybrid model's sliding windows) are vLLM's own and not counted.
+        """
+        if not self.running or self.kvc_config.reserve_growth == 0:
+            return True
+        if self._request_state(request).plan is None:
+            return True
+        need = self._blocks_ahead(request, held=False)
+        for running in self.running:
+            need += self._blocks_ahead(running, held=True)
+        margin = self.kv_cache_manager.watermark_blocks
+        return need + margin <= self.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def _blocks_ahead(self, request, held: bool) -> int:
+        """Blocks the request may still take in the compressed groups (`held`:
+        less those it holds; otherwise its whole peak)."""
+        final = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        if self.kvc_config.reserve_growth is not None:
+            final = min(final, request.num_tokens + self.kvc_config.reserve_growth)
+        state = self.kvc_states.get(request.request_id)
+        peaks = state.peak_physical(request.num_computed_tokens, final) if state is not None else None
+        if peaks is None:  # uncompressed: all of it
+            peaks = (final,) * len(self._kvc_managers)
+        total = 0
+        for manager, peak in zip(self._kvc_managers, peaks):
+            blocks = cdiv(peak, self.kvc_block_size)
+            if held:
+                blocks -= sum(not b.is_null for b in manager.req_to_blocks.get(request.request_id, ()))
+            total += max(blocks, 0)
+        return total
 
     def _write_snapshot(self) -> None:
         data = self.kvc_stats.snapshot(self.kv_cache_manager.block_pool.get_num_free_blocks(), per_request=False)
