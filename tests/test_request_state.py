@@ -235,3 +235,27 @@ def test_nothing_of_a_burst_stays(engine):
     # The worker's step state and the block pool are back to idle too.
     assert worker.step is None and worker.metadata_edits is None and not worker.failed and not worker.reported
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+
+
+def test_the_worker_trims_its_heap_after_requests_end():
+    """`HeapTrimmer`: only after a step in which requests ended; at once when
+    the step computes nothing, otherwise every `interval` seconds; never with
+    interval 0."""
+    from vllm_kvcompress.vllm_seam.worker.heap import HeapTrimmer
+
+    now = [100.0]
+    trimmer = HeapTrimmer(interval=30.0, clock=lambda: now[0])
+    calls: list[int] = []
+    trimmer.trim = lambda pad: calls.append(pad) or 1
+    assert not trimmer.after_step(ended=False, idle=True)  # nothing ended
+    assert trimmer.after_step(ended=True, idle=True)  # idle: at once
+    assert not trimmer.after_step(ended=False, idle=True)  # nothing ended since
+    now[0] += 5
+    assert not trimmer.after_step(ended=True, idle=False)  # busy: waits for the interval
+    now[0] += 20
+    assert not trimmer.after_step(ended=False, idle=False)
+    now[0] += 10
+    assert trimmer.after_step(ended=False, idle=False)  # the end was remembered
+    assert calls == [0, 0] and trimmer.trims == 2
+    off = HeapTrimmer(interval=0.0)
+    assert off.trim is None and not off.after_step(ended=True, idle=True)

@@ -33,6 +33,7 @@ from ..groups import CompressedLayers, layer_index
 from ..metrics import SnapshotWriter
 from .attention_passes import StepPasses
 from .compaction import FAULT_ENV, compact_requests
+from .heap import HeapTrimmer
 from .runner_view import RunnerView, view_of
 from .startup import CACHE_WRITERS, check_layout, check_scoring_exact, tensor_parallel_shard
 from .step_inputs import MetadataEdits
@@ -129,6 +130,7 @@ class WorkerCompression:
         self.metadata_edits: MetadataEdits | None = None
         fault = os.environ.get(FAULT_ENV, "")
         self.fault_prompt_len = int(fault) if fault.isdigit() else None
+        self.heap = HeapTrimmer()  # freed host memory back to the system (heap.py)
 
     # ------------------------------------------------------------ failures
 
@@ -168,10 +170,13 @@ class WorkerCompression:
         self.clear_step()
         self.runner.begin_step(so)
         plan = step_plan_of(so)
+        preempted = getattr(so, "preempted_req_ids", None) or ()
         for rid in so.finished_req_ids:
             self.states.pop(rid, None)
-        for rid in getattr(so, "preempted_req_ids", None) or ():
+        for rid in preempted:
             self.states.pop(rid, None)
+        # Any request's end, compressed or not: both leave holes in the heap.
+        self.heap.after_step(ended=bool(so.finished_req_ids or preempted), idle=not so.total_num_scheduled_tokens)
         self.compressing = plan.compressing
         for started in plan.started:
             self.states.pop(started.request_id, None)
