@@ -4,11 +4,13 @@ running requests may still grow to, plus its own peak, fits the free blocks.
 vLLM admits a waiting request when its prompt's blocks are free. A
 compressed prompt shrinks right after prefill, so on prompts alone many are
 admitted, then grow together (their outputs are kept) and preempt each
-other. The scheduler (`KVCompressScheduler._admits`) reserves each running
-request's growth up to its `max_tokens`. Here a tight pool (20 blocks of 32
+other. The scheduler (`KVCompressScheduler._admits`) follows the running
+requests and the new one forward, a token a step, each growing until its
+`max_tokens` and then giving its blocks back, and admits only if they fit at
+every step. Here a tight pool (20 blocks of 32
 tokens) and engines whose core runs in this process, stepped one scheduler
-step at a time: the invariant "reserved growth of the running requests <=
-free blocks" holds at every step with the rule, and is broken without it
+step at a time: the invariant "the running requests' growth until each ends
+fits the blocks they hold plus the free ones" holds at every step with the rule, and is broken without it
 (`reserve_growth` 0: vLLM's admission on the compressed prompt); vanilla
 requests are scheduled step for step as by vLLM without the plugin; answers
 equal the reference decoder.
@@ -43,28 +45,32 @@ def scheduler_of(engine):
     return engine.llm.llm_engine.engine_core.engine_core.scheduler
 
 
-def reserved_growth(sched) -> int:
-    """Blocks the running requests may still take, computed here from their
-    lengths alone: a compressed snapkv request holds its whole prompt until
-    prefill ends, then the budget plus every output, up to prompt + max_tokens."""
-    (manager,) = [m for m in sched.kv_cache_manager.coordinator.single_type_managers]
-    total = 0
+def overdrawn_by(sched) -> int:
+    """How far the running requests' blocks, followed forward a token a step
+    until each ends, exceed at worst the blocks they hold plus the free ones
+    (<= 0: they fit), computed here from their lengths alone: a compressed
+    snapkv request holds the budget plus every output, up to prompt +
+    max_tokens, then gives its blocks back."""
+    (manager,) = sched.kv_cache_manager.coordinator.single_type_managers
+    capacity = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    lines = []
     for r in sched.running:
-        final = r.num_prompt_tokens + r.max_tokens
-        peak = BUDGET + final - r.num_prompt_tokens
-        if r.num_computed_tokens < r.num_prompt_tokens:
-            peak = max(peak, r.num_prompt_tokens)
-        held = len(manager.req_to_blocks.get(r.request_id, ()))
-        total += max(cdiv(peak, BLOCK_SIZE) - held, 0)
-    return total
+        capacity += len(manager.req_to_blocks.get(r.request_id, ()))
+        prompt = r.num_prompt_tokens
+        assert r.num_computed_tokens >= prompt  # whole prompts, prefilled in one step
+        lines.append((prompt, r.num_tokens, prompt + r.max_tokens))
 
+    def held(step: int) -> int:
+        return sum(cdiv(min(BUDGET, prompt) + start + step - prompt, BLOCK_SIZE)
+                   for prompt, start, final in lines if start + step <= final)
+
+    return max(held(t) for t in [0] + [final - start for _, start, final in lines]) - capacity
 
 def run_stepped(engine, prompts, configs, max_tokens) -> dict:
     """Add the requests, step until done; per step: the scheduled requests,
     preemptions, running count, and whether the reservation fitted."""
     core = engine.llm.llm_engine
     sched = scheduler_of(engine)
-    pool = sched.kv_cache_manager.block_pool
     preempt = sched._preempt_request
     preempted: list[str] = []
 
@@ -91,7 +97,7 @@ def run_stepped(engine, prompts, configs, max_tokens) -> dict:
                 if out.finished:
                     outputs[out.request_id.split("-")[0]] = list(out.outputs[0].token_ids)
             running.append(len(sched.running))
-            overdrawn.append(reserved_growth(sched) - pool.get_num_free_blocks())
+            overdrawn.append(overdrawn_by(sched))
     finally:
         del sched._preempt_request, sched.schedule  # the class's methods again
     return {"steps": steps, "preempted": preempted, "running": running, "overdrawn": overdrawn,
@@ -115,7 +121,8 @@ def engine(start_engine, tiny_model):
 def test_admission_reserves_the_growth_of_compressed_requests(engine, reference):
     prompts = random_prompts(PROMPT_LENS, seed=41)
     got = run_stepped(engine, prompts, [COMPRESSED] * len(prompts), NEW_TOKENS)
-    # At every step the running requests' growth fits the free blocks...
+    # At every step the running requests' growth fits, counting the blocks
+    # each gives back when it ends...
     assert max(got["overdrawn"]) <= 0, got["overdrawn"]
     assert got["preempted"] == []
     # ... and compression still buys concurrency: uncompressed, 2 of these
@@ -170,3 +177,5 @@ def test_peak_physical_follows_the_trigger():
     assert rolling.peak_physical(300, 1000) == (48 + 16,)  # the budget plus an interval
     assert rolling.peak_physical(300, 310) == (48 + 10,)  # ... or less, at the end
     assert state({"policy": "none"}, 300).peak_physical(0, 400) is None
+    assert once.held_after_prompt(350) == (BUDGET + 50,)
+    assert rolling.held_after_prompt(1000) == (48 + 16,)

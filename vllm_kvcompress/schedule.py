@@ -216,6 +216,22 @@ class RequestSchedule:
             out.append(max(0, min(max(held), final_len - evicted)))
         return tuple(out)
 
+    def held_after_prompt(self, total_len: int) -> tuple[int, ...] | None:
+        """Most tokens each KV cache group holds once past its prompt's
+        compression, computing up to `total_len` tokens (None: compression
+        off, all of them): the budget plus every output under 'once', plus an
+        interval under a rolling trigger. For the admission's timeline."""
+        if self.plan is None or self.budgets is None:
+            return None
+        plan = self.plan
+        out = []
+        for budget, evicted in zip(self.budgets, self.num_evicted):
+            if self.budgets_pending:
+                budget = max(budget, plan.prompt_len)
+            held = plan.trigger.held_after_prompt(budget, plan.prompt_len, total_len, plan.interval)
+            out.append(max(0, min(held, total_len - evicted)))
+        return tuple(out)
+
     def _prompt_chunk(self) -> int:
         return 0 if self.plan is None else self.plan.trigger.chunk_size()
 

@@ -285,43 +285,56 @@ class KVCompressScheduler(Scheduler):
 
         vLLM admits a request when its prompt's blocks are free. A compressed
         prompt needs few blocks once compressed, so many are admitted, grow
-        together (the outputs are kept) and preempt each other; a preempted
-        one recomputes its whole prompt. Here every running request reserves
-        what it may still grow to until its end (`RequestSchedule.peak_physical`
-        up to its `max_tokens` and `max_model_len`, or the next `reserve_growth`
-        tokens), and the new one its whole peak (its prompt, then what it
-        keeps): it starts only if all of it, plus vLLM's watermark, fits the
-        free blocks. The first request always starts (vLLM checked at startup
-        that one of `max_model_len` fits). Blocks of uncompressed groups (a
-        hybrid model's sliding windows) are vLLM's own and not counted.
+        together (their outputs are kept) and preempt each other; a preempted
+        one recomputes its whole prompt. Here the running requests and the
+        new one are followed forward, a token a step (`_timeline`): each holds
+        what its plan keeps (`RequestSchedule.held_after_prompt`, the new one
+        its prompt first) until it ends at its `max_tokens` or
+        `max_model_len` (or `reserve_growth` tokens on) and gives its blocks
+        back. It starts only if at every step ahead they all fit the blocks
+        the running requests hold plus the free ones, less vLLM's watermark.
+        The first request always starts (vLLM checked at startup that one of
+        `max_model_len` fits). Blocks of uncompressed groups (a hybrid model's
+        sliding windows) are vLLM's own and not counted.
         """
         if not self.running or self.kvc_config.reserve_growth == 0:
             return True
         if self._request_state(request).plan is None:
             return True
-        need = self._blocks_ahead(request, held=False)
-        for running in self.running:
-            need += self._blocks_ahead(running, held=True)
-        margin = self.kv_cache_manager.watermark_blocks
-        return need + margin <= self.kv_cache_manager.block_pool.get_num_free_blocks()
+        lines = [self._timeline(r, running=True) for r in self.running] + [self._timeline(request, running=False)]
+        capacity = self.kv_cache_manager.block_pool.get_num_free_blocks() - self.kv_cache_manager.watermark_blocks
+        capacity += sum(line[0] for line in lines[:-1])
+        # Each request's blocks grow until it ends: the total peaks at the
+        # start, at a prefill's end, or at some request's last step.
+        steps = {0} | {t for line in lines for t in (line[1] - 1, line[3] - line[2] + max(line[1] - 1, 0))}
+        return all(sum(_blocks_at(line, t) for line in lines) <= capacity for t in steps if t >= 0)
 
-    def _blocks_ahead(self, request, held: bool) -> int:
-        """Blocks the request may still take in the compressed groups (`held`:
-        less those it holds; otherwise its whole peak)."""
+    def _timeline(self, request, running: bool) -> tuple:
+        """(blocks now, prefill steps, tokens once prefilled, last length, blocks at a length, blocks while
+        prefilling): what `_blocks_at` reads. Steps ahead are taken as every running request computing one
+        token a step (a prefill at the scheduler's token budget)."""
         final = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if self.kvc_config.reserve_growth is not None:
             final = min(final, request.num_tokens + self.kvc_config.reserve_growth)
         state = self.kvc_states.get(request.request_id)
-        peaks = state.peak_physical(request.num_computed_tokens, final) if state is not None else None
-        if peaks is None:  # uncompressed: all of it
-            peaks = (final,) * len(self._kvc_managers)
-        total = 0
-        for manager, peak in zip(self._kvc_managers, peaks):
-            blocks = cdiv(peak, self.kvc_block_size)
-            if held:
-                blocks -= sum(not b.is_null for b in manager.req_to_blocks.get(request.request_id, ()))
-            total += max(blocks, 0)
-        return total
+        size, groups = self.kvc_block_size, len(self._kvc_managers)
+        plan = state is not None and state.plan is not None
+
+        def blocks(tokens) -> int:
+            return sum(cdiv(t, size) for t in tokens)
+
+        def blocks_of(length: int) -> int:
+            held = state.held_after_prompt(length) if plan else None
+            return blocks(held) if held is not None else groups * cdiv(length, size)
+
+        logical, start = request.num_computed_tokens, request.num_tokens
+        held = sum(sum(not b.is_null for b in m.req_to_blocks.get(request.request_id, ())) for m in self._kvc_managers)
+        prefill = cdiv(start - logical, self.max_num_scheduled_tokens) if start - logical > 1 else 0
+        peak = state.peak_physical(logical, min(final, start)) if plan else None
+        prefilling = blocks(peak) if peak is not None else groups * cdiv(min(final, start), size)
+        if not running:
+            held = prefilling
+        return held, prefill, start, final, blocks_of, prefilling
 
     def _write_snapshot(self) -> None:
         data = self.kvc_stats.snapshot(self.kv_cache_manager.block_pool.get_num_free_blocks(), per_request=False)
@@ -354,6 +367,19 @@ class KVCompressScheduler(Scheduler):
 
     def kv_compress_stats(self) -> dict:
         return self.kvc_stats.snapshot(free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def _blocks_at(line: tuple, step: int) -> int:
+    """Blocks a request's timeline (`KVCompressScheduler._timeline`) holds `step` steps ahead."""
+    held, prefill, start, final, blocks_of, prefilling = line
+    if step == 0:
+        return max(held, blocks_of(start) if not prefill else held)
+    if step < prefill:
+        return max(held, prefilling)
+    # A decoding request computes its pending token now; one still to
+    # prefill decodes its first output in the step after its prefill.
+    length = start + step - max(prefill - 1, 0)
+    return 0 if length > final else blocks_of(length)
 
 
 def _kind(spec) -> str:
