@@ -318,7 +318,9 @@ class KVCompressScheduler(Scheduler):
             final = min(final, request.num_tokens + self.kvc_config.reserve_growth)
         state = self.kvc_states.get(request.request_id)
         size, groups = self.kvc_block_size, len(self._kvc_managers)
-        plan = state is not None and state.plan is not None
+        if state is None:
+            state = RequestSchedule.create(None)  # not planned yet: uncompressed
+        plan = state.plan is not None
 
         def blocks(tokens) -> int:
             return sum(cdiv(t, size) for t in tokens)
