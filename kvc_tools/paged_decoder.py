@@ -235,7 +235,8 @@ class PagedDecoder:
                     compactions.append(Compaction(rid, plans[rid].physical(logical[rid]), targets))
                     plans[rid].commit(logical[rid], targets)
             held = {rid: [list(b) for b in runner.requests[rid].block_ids] for rid in running}
-            scheduler_output = types.SimpleNamespace(finished_req_ids=tuple(finished), preempted_req_ids=())
+            scheduler_output = types.SimpleNamespace(finished_req_ids=tuple(finished), preempted_req_ids=(),
+                                                     total_num_scheduled_tokens=len(running))
             next_due = {rid: plans[rid].next_due(logical[rid]) for rid in running if plans[rid].plan is not None}
             attach_step_plan(scheduler_output, StepPlan(started=started, compactions=compactions, next_due=next_due,
                                                         compressing=bool(next_due)))
