@@ -127,6 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--interval", type=int, default=None,
                    help="kv_compress_interval: rolling policies evict again after this many new "
                         "tokens (default: one KV block)")
+    p.add_argument("--reserve-growth", type=int, default=None,
+                   help="kv_compress_reserve_growth of the kvc-* configs: tokens of growth admission reserves "
+                        "(0: vLLM's admission on the compressed prompt; default: up to max_tokens)")
     p.add_argument("--policy-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="a policy parameter of the kvc-* configs, e.g. prompt_chunk=256 (repeatable)")
     p.add_argument("--quick", action="store_true", help="tiny request counts and outputs (smoke test)")
@@ -172,6 +175,7 @@ def compression_label(args) -> str:
     label = (f"{args.policy}, budget {args.budget}" if args.budget is not None
              else f"{args.policy}, ratio {args.ratio} ({1 / (1 - args.ratio):.3g}x)")
     label += f", interval {args.interval}" if args.interval is not None else ""
+    label += f", reserve_growth {args.reserve_growth}" if args.reserve_growth is not None else ""
     return label + "".join(f", {k} {v}" for k, v in policy_args(args).items())
 
 
@@ -376,6 +380,8 @@ def run_one(args) -> None:
             kwargs["kv_compress_compression_ratio"] = args.ratio
         if args.interval is not None:
             kwargs["kv_compress_interval"] = args.interval
+        if args.reserve_growth is not None:
+            kwargs["kv_compress_reserve_growth"] = args.reserve_growth
         for name, value in policy_args(args).items():
             kwargs[f"kv_compress_{name}"] = value
     t0 = time.perf_counter()
@@ -462,6 +468,7 @@ def run_config(args, name: str, workload: str, wl_file: Path, tmp: Path) -> tupl
            "--max-num-seqs", str(args.max_num_seqs)]
     cmd += ["--budget", str(args.budget)] if args.budget is not None else ["--ratio", str(args.ratio)]
     cmd += ["--interval", str(args.interval)] if args.interval is not None else []
+    cmd += ["--reserve-growth", str(args.reserve_growth)] if args.reserve_growth is not None else []
     for arg in args.policy_arg:
         cmd += ["--policy-arg", arg]
     t0 = time.perf_counter()
