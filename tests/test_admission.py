@@ -179,3 +179,18 @@ def test_peak_physical_follows_the_trigger():
     assert state({"policy": "none"}, 300).peak_physical(0, 400) is None
     assert once.held_after_prompt(350) == (BUDGET + 50,)
     assert rolling.held_after_prompt(1000) == (48 + 16,)
+    # once_window: the prompt's budget, then a window of outputs plus an interval.
+    window = state({"policy": "snapkv-span-window", "budget": 48, "decode_window": 64, "interval": 16}, 300)
+    assert window.peak_physical(0, 1000) == (300,)
+    assert window.next_compression(300) == (48,)
+    window.commit(300, (48,))
+    assert window.peak_physical(300, 1000) == window.held_after_prompt(1000) == (48 + 64 + 16,)
+    assert window.peak_physical(300, 340) == (48 + 40,)
+    held = []
+    for logical in range(301, 1000):  # the schedule the forecast describes
+        held.append(window.physical(logical)[0])
+        targets = window.next_compression(logical)
+        if targets is not None:
+            assert targets == (48 + 64,)
+            window.commit(logical, targets)
+    assert max(held) == 48 + 64 + 16

@@ -32,6 +32,7 @@ from vllm_kvcompress.triggers import TRIGGERS
 NUM_LAYERS, HKV, GROUP = 2, 2, 2
 HQ = HKV * GROUP
 PROMPT, DECODE, BUDGET, INTERVAL, CHUNK = 120, 70, 48, 16, 32
+DECODE_WINDOW = 24  # trigger once_window: the generated tokens kept
 BLOCK = 32
 # Small protected windows so that scores decide most of the budget.
 SCORER_PARAMS = {
@@ -56,6 +57,8 @@ def config_for(scorer: str, allocation: str, trigger: str, selection: str) -> di
             "budget": BUDGET, "interval": INTERVAL, "layer_groups": NUM_LAYERS, **SCORER_PARAMS[scorer]}
     if trigger == "streamed":
         data["prompt_chunk"] = CHUNK
+    if trigger == "once_window":
+        data["decode_window"] = DECODE_WINDOW
     if selection == "span":
         data["span"] = SPAN
     if selection == "chunk":
@@ -183,12 +186,13 @@ def naive_protected(scorer: str, budget: int) -> tuple[int, int]:
 
 
 def naive_ranked(scorer, selection, kv_head, layer, positions, attention, num_compressions, budget,
-                 protected_len: int = 0) -> list[float]:
+                 protected_len: int = 0, protection: tuple[int, int] | None = None) -> list[float]:
     """What the top-k ranks, for `positions` in logical order: protected tokens first (inf).
 
-    `budget` counts the tokens after the protected start (`protected_len`)."""
+    `budget` counts the tokens after the protected start (`protected_len`);
+    `protection`: (sinks, recent) instead of the scorer's (a trigger's own)."""
     scores = naive_scores(scorer, kv_head, layer, positions, attention, num_compressions, protected_len)
-    sinks, recent = naive_protected(scorer, budget)
+    sinks, recent = protection or naive_protected(scorer, budget)
     sinks = max(sinks, protected_len)
     newest = sorted(positions)[-recent:] if recent else []
     protected = [p < sinks or p in newest for p in positions]
@@ -281,6 +285,8 @@ def expected_schedule(trigger: str, budgets: list[int]) -> list[int]:
         elif logical == PROMPT:
             due(logical, 1)
         elif logical > PROMPT and trigger != "once":
+            if trigger == "once_window" and logical == PROMPT + 1:  # past the prompt: its tokens plus the window
+                budgets = [min(b, PROMPT) + DECODE_WINDOW for b in budgets]
             due(logical, INTERVAL)
     return at
 
@@ -371,8 +377,11 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
                     live = got[h] if dead is None else got[h][~dead[h]]
                     assert_top(set(live.tolist()), ranked_heads[h], positions, per_head_counts[h], (layer, h))
                 else:
+                    # Past the prompt, once_window keeps every prompt token left and the newest outputs.
+                    protection = (PROMPT, DECODE_WINDOW) if trigger == "once_window" and logical > PROMPT else None
                     ranked = naive_ranked(scorer, selection, h, layer, positions, attention[layer],
-                                          rc.num_compressions, targets[layer] - protected_len, protected_len)
+                                          rc.num_compressions, targets[layer] - protected_len, protected_len,
+                                          protection)
                     assert_top(set(got[h].tolist()), ranked, positions, targets[layer], (layer, h, logical))
                 cached[layer][h] = set(got[h].tolist())
             rc.keep_selected(layer, keep)

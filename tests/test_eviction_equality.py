@@ -52,6 +52,8 @@ def test_policy_matches_reference(engine, reference, policy):
     if POLICIES[policy].trigger == "decode":  # the prompt stays whole: budgets of generated tokens
         configs = [{"policy": policy, "budget": 16, "interval": 8}, {"policy": policy, "budget": 8, "interval": 4},
                    {"policy": policy, "budget": 12, "interval": 16}, None, {"policy": policy, "budget": 24}]
+    if POLICIES[policy].trigger == "once_window":  # a window of outputs that slides within NEW_TOKENS
+        configs = [{**c, "decode_window": 8 + 4 * i, "interval": 4} if c else None for i, c in enumerate(configs)]
     before = engine.stats()
     got = engine.generate(prompts, NEW_TOKENS, configs)
     after = engine.stats()
@@ -65,6 +67,8 @@ def test_policy_matches_reference(engine, reference, policy):
 def policy_config(policy: str, budget: int) -> dict:
     if POLICIES[policy].trigger == "decode":  # the prompt stays whole: a budget of generated tokens
         return {"policy": policy, "budget": 12, "interval": 8}
+    if POLICIES[policy].trigger == "once_window":  # outputs past a window of 8 evicted
+        return {"policy": policy, "budget": budget, "decode_window": 8, "interval": 4}
     return {"policy": policy, "budget": budget}
 
 
@@ -82,6 +86,33 @@ def test_every_policy_in_one_batch_matches_reference(engine, reference):
         cfg = KVCompressConfig.from_dict(config) if config else None
         assert tokens == reference.generate(prompt, 24, cfg, block_size=32)["tokens"], f"{config} {len(prompt)}"
     assert engine.stats()["compressions"] - before["compressions"] >= len(POLICY_NAMES)
+
+
+def test_once_window_keeps_the_compressed_prompt_and_the_newest_outputs(engine, reference):
+    """snapkv-span-window: the prompt compressed as snapkv-span compresses it,
+    then of the outputs only the newest `decode_window` (up to an interval
+    more) stay; a prompt under its budget is kept whole and its outputs
+    windowed all the same."""
+    prompts = random_prompts((210, 160, 120), seed=43)
+    configs = [{"policy": "snapkv-span-window", "budget": 48, "decode_window": 8, "interval": 4},
+               {"policy": "snapkv-span-window", "compression_ratio": 0.75, "decode_window": 16},
+               {"policy": "snapkv-span-window", "budget": 200, "decode_window": 12, "interval": 8}]
+    got = engine.generate(prompts, NEW_TOKENS, configs)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        out = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=32)
+        assert tokens == out["tokens"], f"{config} prompt {len(prompt)}"
+        once = {k: v for k, v in config.items() if k not in ("decode_window", "interval")}
+        prompt_kept = reference.generate(prompt, 2, KVCompressConfig.from_dict({**once, "policy": "snapkv-span"}),
+                                         block_size=32)["kept_positions"]
+        interval = config.get("interval", 32)
+        cached = len(prompt) + NEW_TOKENS - 1  # the last output's KV is never written
+        for layer, (kept, want) in enumerate(zip(out["kept_positions"], prompt_kept)):
+            for head, (row, want_row) in enumerate(zip(kept.tolist(), want.tolist())):
+                outputs = sorted(p for p in row if p >= len(prompt))
+                assert sorted(p for p in row if p < len(prompt)) == sorted(p for p in want_row if p < len(prompt)), \
+                    (config, layer, head)
+                assert config["decode_window"] <= len(outputs) <= config["decode_window"] + interval, config
+                assert outputs == list(range(cached - len(outputs), cached)), (config, layer, head)
 
 
 @pytest.mark.parametrize("modifier", [{"selection": "span", "span": 8}, {"selection": "chunk", "chunk_length": 10}])

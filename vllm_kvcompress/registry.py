@@ -39,6 +39,10 @@ POLICIES: dict[str, Composition] = {
     # token keeps the 15 that follow it (a needle's digits, a value), the
     # first 4 tokens kept as attention sinks (docs/evaluation.md, Quality).
     "snapkv-span": Composition("snapkv", selection="span", defaults={"span": 16, "sink_tokens": 4}),
+    # The same prompt, and then generated tokens in a window (the newest
+    # `decode_window`), so long answers stay bounded too (docs/evaluation.md, Admission).
+    "snapkv-span-window": Composition("snapkv", trigger="once_window", selection="span",
+                                      defaults={"span": 16, "sink_tokens": 4}),
     "pyramidkv": Composition("snapkv", allocation="pyramid"),
     "adaptive": Composition("snapkv", allocation="adaptive"),
     "adakv": Composition("snapkv", allocation="per_head"),

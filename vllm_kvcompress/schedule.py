@@ -104,7 +104,15 @@ class RequestSchedule:
                                    f"were not reported at the end of its prefill")
             self.prefill_checked = True
             return targets if max(over) > 0 else None
+        budgets = self._budgets_after_prompt()
+        over = [p - b for p, b in zip(physical, budgets)]
+        targets = tuple(min(p, b) for p, b in zip(physical, budgets))
         return targets if self.plan.trigger.due_after_prompt(max(over), self.plan.interval) else None
+
+    def _budgets_after_prompt(self) -> tuple[int, ...]:
+        """Per group, what a request past its prompt compresses back to (the trigger's rule)."""
+        assert self.plan is not None and self.budgets is not None
+        return tuple(self.plan.trigger.budget_after_prompt(b, self.plan.prompt_len) for b in self.budgets)
 
     def tokens_until_due(self, logical_len: int) -> int | None:
         """Most tokens the next step may compute before a compression is due (None: no limit).
@@ -126,7 +134,7 @@ class RequestSchedule:
                 cap = min(cap, min(b + chunk - p for p, b in zip(physical, self.budgets)))
             return max(cap, 0)
         return self.plan.trigger.tokens_until_due(min(b + self.plan.interval - p
-                                                      for p, b in zip(physical, self.budgets)))
+                                                      for p, b in zip(physical, self._budgets_after_prompt())))
 
     def next_due(self, logical_len: int) -> int | None:
         """The logical length at which this request next compresses, as things
@@ -143,7 +151,7 @@ class RequestSchedule:
             if self.budgets_pending or max(prompt_len - e - b for b, e in zip(self.budgets, self.num_evicted)) > 0:
                 return prompt_len  # an over-budget prompt compresses at its end
         # Past the prompt's compression: when the first group is an interval past its budget.
-        room = min(b + e + self.plan.interval for b, e in zip(self.budgets, self.num_evicted))
+        room = min(b + e + self.plan.interval for b, e in zip(self._budgets_after_prompt(), self.num_evicted))
         return max(room, logical_len) if trigger.repeats() else None
 
     def longest_prefix_hit(self) -> int | None:

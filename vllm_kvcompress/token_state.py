@@ -285,8 +285,11 @@ class RequestTokens:
 
     def _protected(self, budget: int) -> tuple[int, int]:
         """The scorer's (sinks, recent) at this budget (tokens after the
-        protected start); the protected start counts as sinks."""
-        sinks, recent = self.scorer.protected(budget)
+        protected start), or past the prompt the trigger's when it has its
+        own; the protected start counts as sinks."""
+        after = self.plan.trigger.protected_after_prompt(self.plan.prompt_len) \
+            if self.logical_len > self.plan.prompt_len else None
+        sinks, recent = self.scorer.protected(budget) if after is None else after
         return max(sinks, self.plan.protected_len), recent
 
     def _scores(self, layer: int, keys: KeySource = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,11 @@
             the protected start, and `budget` counts generated tokens), the
             regime of long generations (R-KV, TriAttention); it composes with
             prefix caching completely, as no prompt block is ever rewritten
+  once_window  once at the end of prefill, then rolling over generated tokens
+            only: the compressed prompt stays whole and the newest
+            `decode_window` generated tokens are kept (plus up to an interval),
+            so a long answer holds the prompt's budget plus a window, not
+            every output (kvpress's prefill press followed by a decoding press)
 
 Each trigger owns its rule: the schedule (schedule.py) keeps a request's
 lengths per KV cache group and asks the trigger whether a compression is due
@@ -62,6 +67,16 @@ class Trigger(Component):
     def held_after_prompt(self, budget: int, prompt_len: int, total_len: int, interval: int) -> int:
         """Most tokens a request holds while it computes up to `total_len` tokens past its prompt."""
         return min(budget, prompt_len) + total_len - prompt_len
+
+    def budget_after_prompt(self, budget: int, prompt_len: int) -> int:
+        """The tokens a request past its prompt compresses back to: the prompt's budget,
+        unless the trigger gives generated tokens room of their own."""
+        return budget
+
+    def protected_after_prompt(self, prompt_len: int) -> tuple[int, int] | None:
+        """(sinks, recent) a compression past the prompt keeps whatever the scores
+        (logical positions below `sinks`, the `recent` newest); None: the scorer's."""
+        return None
 
 
 class Once(Trigger):  # no parameters: the base's dataclass serves
@@ -126,4 +141,29 @@ class DecodeOnly(Rolling):
         return prompt_len
 
 
-TRIGGERS: dict[str, type[Trigger]] = {cls.name: cls for cls in (Once, Rolling, Streamed, DecodeOnly)}
+@dataclass(frozen=True)
+class OnceThenWindow(Rolling):
+    name = "once_window"
+
+    decode_window: int = field(default=128, metadata=bounded(
+        1, "tokens", help="once_window: generated tokens kept after the compressed prompt (the newest); "
+                          "a request holds its budget + decode_window + up to an interval"))
+
+    def validate(self) -> None:
+        if self.decode_window < 1:
+            raise ValueError(f"decode_window must be >= 1, got {self.decode_window}")
+
+    def held_after_prompt(self, budget: int, prompt_len: int, total_len: int, interval: int) -> int:
+        return min(budget, prompt_len) + min(total_len - prompt_len, self.decode_window + interval)
+
+    def budget_after_prompt(self, budget: int, prompt_len: int) -> int:
+        return min(budget, prompt_len) + self.decode_window
+
+    def protected_after_prompt(self, prompt_len: int) -> tuple[int, int] | None:
+        # Every prompt token left (the prompt's compression chose them) and
+        # the window: together exactly what the request keeps, so past the
+        # prompt the scores choose nothing and the window slides.
+        return prompt_len, self.decode_window
+
+
+TRIGGERS: dict[str, type[Trigger]] = {cls.name: cls for cls in (Once, Rolling, Streamed, DecodeOnly, OnceThenWindow)}
