@@ -30,6 +30,9 @@ NUM_LAYERS = 4  # the tiny model's; one KV cache group each, so every compositio
 SETTINGS = {
     "snapkv": {"policy": "snapkv", "budget": 48, "window": 8},
     "snapkv-span": {"policy": "snapkv-span", "compression_ratio": 0.75, "window": 8},
+    # Its generated tokens roll past 16: the next turn's prompt holds an answer computed on an evicted cache.
+    "snapkv-span-window": {"policy": "snapkv-span-window", "compression_ratio": 0.75, "window": 8,
+                           "decode_window": 16},
     "pyramidkv": {"policy": "pyramidkv", "budget": 48, "window": 8},
     "adaptive": {"policy": "adaptive", "budget": 48, "window": 8},
     "adakv": {"policy": "adakv", "budget": 48, "window": 8},

@@ -49,6 +49,7 @@ SIZE_FIELDS = {
     "budget": {"kv_compress": "h2o"},
     "interval": {"kv_compress": "h2o", "kv_compress_budget": 64},
     "span": {"kv_compress": "snapkv-span", "kv_compress_budget": 64},
+    "decode_window": {"kv_compress": "snapkv-span-window", "kv_compress_budget": 64},
     "sink_tokens": {"kv_compress": "streamingllm", "kv_compress_budget": 64},
     "chunk_length": {"kv_compress": "snapkv", "kv_compress_selection": "chunk", "kv_compress_budget": 64},
     "window": {"kv_compress": "snapkv", "kv_compress_budget": 64},
