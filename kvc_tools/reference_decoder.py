@@ -8,7 +8,9 @@ the engine. Attention probabilities are
 computed explicitly, used for the output and, for the queries the scorer
 observes, fed to the same `RequestTokens` bookkeeping the worker uses.
 Compressions happen exactly when the schedule says (schedule.py) (the scheduler's state
-machine), so greedy tokens must equal vLLM's with the plugin.
+machine), so greedy tokens must equal vLLM's with the plugin. With an fp8
+`kv_cache_dtype` every key and value is cached as vLLM's CPU writer rounds it
+(cache_layout.CacheDType), MiniCache's stored vectors too.
 
 It shares with the engine only the plan, the scorers' math, the selection,
 the merge formulas (merge.py) and the schedule (schedule.py); attention, attention scores,
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_kvcompress.cache_layout import CacheDType
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.merge import restore
 from vllm_kvcompress.plan import resolve_plan
@@ -77,8 +80,9 @@ class ReferenceDecoder:
         return x * cos + rotated * sin
 
     @torch.no_grad()
-    def _forward(self, tokens: list[int], positions: torch.Tensor, cache, state) -> torch.Tensor:
-        """Run `tokens` at logical `positions`; append to `cache`; return last logits."""
+    def _forward(self, tokens: list[int], positions: torch.Tensor, cache, state,
+                 cache_dtype: CacheDType) -> torch.Tensor:
+        """Run `tokens` at logical `positions`; append to `cache` (as `cache_dtype` stores them); return last logits."""
         m = self.model.model
         x = m.embed_tokens(torch.tensor(tokens)).to(self.model.dtype)  # [n, hidden]
         n = len(tokens)
@@ -98,6 +102,8 @@ class ReferenceDecoder:
             v = attn.v_proj(h).view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
             cos, sin = rope[self.layer_types[layer_idx]]
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            # Attention reads every key and value back from the cache, this step's too.
+            k, v = cache_dtype.round_trip(k), cache_dtype.round_trip(v)
             keys, values = cache[layer_idx]
             keys, values = torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1)
             cache[layer_idx] = (keys, values)
@@ -138,7 +144,7 @@ class ReferenceDecoder:
         empty = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.model.dtype)
         return [(empty, empty) for _ in range(self.num_layers)]
 
-    def _merge(self, cache, state: RequestTokens, merge) -> None:
+    def _merge(self, cache, state: RequestTokens, merge, cache_dtype: CacheDType) -> None:
         """MiniCache over the compacted pairs: the lower layer keeps its stored
         (merged or exact) vectors; the upper layer's dense cache becomes what
         its attention reads, the restored vectors."""
@@ -147,27 +153,30 @@ class ReferenceDecoder:
             (k_lo, v_lo), (k_up, v_up) = cache[model_layer[lower]], cache[model_layer[upper]]
             key, value = merge.merge_pair((k_lo, v_lo), (k_up, v_up))
             dtype = k_lo.dtype
-            stored_k, stored_v = key.lower.to(dtype), value.lower.to(dtype)
+            stored_k, stored_v = (cache_dtype.round_trip(x.lower.to(dtype)) for x in (key, value))
+            retained_k, retained_v = (cache_dtype.round_trip(x.retained.to(dtype)) for x in (key, value))
             cache[model_layer[lower]] = (stored_k, stored_v)
             cache[model_layer[upper]] = (
-                restore(stored_k, key.retained.to(dtype), key.slot, key.scale).to(dtype),
-                restore(stored_v, value.retained.to(dtype), value.slot, value.scale).to(dtype))
+                restore(stored_k, retained_k, key.slot, key.scale).to(dtype),
+                restore(stored_v, retained_v, value.slot, value.scale).to(dtype))
             state.merged[upper] = MergedUpper.of(lower, key, value)
 
     # ------------------------------------------------------------ decoding
 
     def generate(
         self, prompt: list[int], max_new_tokens: int, config: KVCompressConfig | None = None,
-        block_size: int = 32,
+        block_size: int = 32, kv_cache_dtype: str = "auto",
     ) -> dict:
-        """Greedy tokens with the config's compression applied on the schedule's points (schedule.py).
+        """Greedy tokens with the config's compression applied on the schedule's points (schedule.py),
+        keys and values cached as vLLM caches them at `kv_cache_dtype` (auto, or an fp8 format).
 
         Returns tokens, the kept logical positions per compressed layer at the end, the
         physical cache length after every compression and the logical length
-        at which it happened, and per layer the number of masked (per-head
-        evicted) slots.
+        at which it happened, per layer the number of masked (per-head
+        evicted) slots, and per token its logit's margin over the runner-up.
         """
         config = config or KVCompressConfig()
+        cache_dtype = CacheDType(kv_cache_dtype)
         cache = self._empty_cache()
         # The engine's KV cache groups of compressed (full-attention) layers:
         # a group's layers share one length.
@@ -193,7 +202,7 @@ class ReferenceDecoder:
                 cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
                 state.keep_selected(c, keep)
             if state.lower_of and not state.merged:
-                self._merge(cache, state, state.plan.merge)
+                self._merge(cache, state, state.plan.merge, cache_dtype)
             state.finish_compaction()
             plan.commit(logical, targets)
             lengths.append(targets[0] if len(targets) == 1 else targets)
@@ -208,21 +217,29 @@ class ReferenceDecoder:
             end = len(prompt) if cap is None else min(len(prompt), logical + cap)
             if state is not None:
                 state.next_due = plan.next_due(logical)
-            logits = self._forward(prompt[logical:end], torch.arange(logical, end), cache, state)
+            logits = self._forward(prompt[logical:end], torch.arange(logical, end), cache, state, cache_dtype)
             logical = end
         if plan.budgets_pending:  # the worker reports these at prefill end
             assert state is not None
             plan.set_layer_budgets(state.attention_budgets())
         tokens = [int(logits.argmax())]
+        margins = [_margin(logits)]
         while len(tokens) < max_new_tokens:
             logical = len(prompt) + len(tokens) - 1  # tokens whose KV is cached
             compress_if_due(logical)
             if state is not None:
                 state.next_due = plan.next_due(logical)
-            logits = self._forward([tokens[-1]], torch.tensor([logical]), cache, state)
+            logits = self._forward([tokens[-1]], torch.tensor([logical]), cache, state, cache_dtype)
             tokens.append(int(logits.argmax()))
+            margins.append(_margin(logits))
         kept = [state.positions(i) for i in range(num_compressed)] if state else None
         # Per-head budgets: per layer, the kept slots some head does not attend.
         dead = [0 if d is None else int(d.sum()) for d in state.dead] if state else None
         return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths,
-                "compressed_at": compressed_at, "dead_slots": dead}
+                "compressed_at": compressed_at, "dead_slots": dead, "margins": margins}
+
+
+def _margin(logits: torch.Tensor) -> float:
+    """How far the greedy token's logit is ahead of the next one's."""
+    top = logits.topk(2).values
+    return float(top[0] - top[1])

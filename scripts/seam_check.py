@@ -277,6 +277,13 @@ class Tree:
                         and isinstance(sub.args[0], ast.Constant) and sub.args[0].value == attr):
                     return Found(owner.module, qual, sub, f"{sub.func.attr} in {owner.module}", cls=cls,
                                  module_node=owner.module_node)
+            # ... and attributes its module's helpers set on the layer (`layer._k_scale_float = 1.0`).
+            for sub in ast.walk(owner.module_node):
+                if isinstance(sub, ast.Assign) and any(
+                        isinstance(t, ast.Attribute) and t.attr == attr and isinstance(t.value, ast.Name)
+                        and t.value.id == "layer" for t in sub.targets):
+                    return Found(owner.module, qual, sub, f"layer.{attr} set in {owner.module}", cls=cls,
+                                 module_node=owner.module_node)
         if attr == "__init__" and _is_dataclass(cls):
             return Found(owner.module, qual, cls, "dataclass __init__", cls=cls, module_node=owner.module_node)
         if not inherit:

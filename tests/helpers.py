@@ -70,6 +70,8 @@ class Engine:
         return vllm_kvcompress.stats(self.llm)
 
     def close(self) -> None:
+        if not hasattr(self, "llm"):  # closed already (a fixture closes early, the factory at the end)
+            return
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         gc.collect()

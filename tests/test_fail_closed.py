@@ -52,8 +52,12 @@ def test_unsupported_features_are_fine_without_compression(tiny_model):
     assert prepare_engine_args(args) is None and args.enable_prefix_caching
 
 
-def test_quantised_kv_cache_is_refused(tiny_model):
+def test_unchecked_kv_cache_dtypes_are_refused(tiny_model):
+    """fp8 is served (tests/test_fp8_cache.py); a cache dtype whose rounding
+    the plugin has not checked is refused with the valid values."""
     from vllm import LLM
 
-    with pytest.raises(KVCompressConfigError, match="quantised KV cache"):
-        LLM(**engine_kwargs(tiny_model, **SNAPKV, kv_cache_dtype="fp8"))
+    for dtype in ("fp8_per_token_head", "fp8_ds_mla"):
+        with pytest.raises(KVCompressConfigError, match=rf"kv_cache_dtype={dtype} \(valid with compression here: "
+                                                        r"auto, fp8, fp8_e4m3, fp8_e5m2"):
+            LLM(**engine_kwargs(tiny_model, **SNAPKV, kv_cache_dtype=dtype))

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..budgets import ALLOCATIONS
+from ..cache_layout import CACHE_DTYPES
 from ..config import (
     CONFIG_KEY,
     FIELD_ALIASES,
@@ -224,8 +225,7 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
     if args.pipeline_parallel_size > 1:
         raise _refuse("pipeline parallelism (a stage holds only some layers; tensor and data parallelism "
                       "are supported)")
-    if args.kv_cache_dtype not in (None, "auto"):
-        raise _refuse(f"a quantised KV cache (kv_cache_dtype={args.kv_cache_dtype}; compaction copies raw values)")
+    _check_cache_dtype(args.kv_cache_dtype)
     if args.scheduler_cls not in (None, SCHEDULER_CLS) and "vllm.v1.core.sched" not in str(args.scheduler_cls):
         raise _refuse(f"a custom scheduler_cls ({args.scheduler_cls})")
     if args.async_scheduling:
@@ -248,6 +248,17 @@ def refuse_create_engine_config(original, refusal: str):
         return original(self, *args, **kwargs)
 
     return create_engine_config
+
+
+def _check_cache_dtype(name: str | None) -> None:
+    """fp8 on CPU, where its rounding is checked (cache_layout.CacheDType); the
+    model's dtype everywhere. The worker checks again against vLLM's writer."""
+    from vllm.platforms import current_platform
+
+    valid = CACHE_DTYPES["CPU_ATTN" if current_platform.is_cpu() else "FLASH_ATTN"]
+    if name not in (None, *valid):
+        raise _refuse(f"kv_cache_dtype={name} (valid with compression here: {', '.join(valid)}; "
+                      f"fp8 is checked on the CPU engine only)")
 
 
 def prepare_platform(args, config: KVCompressConfig) -> None:

@@ -176,13 +176,15 @@ attribute | {_ATTN}.num_kv_heads | 0.32-0.34 | this rank's KV heads
 attribute | {_ATTN}.attn_backend | 0.32-0.34 | the backend's name picks the cache layout
 attribute | {_ATTN}._k_scale | 0.32-0.34 | FLASH_ATTN layout self-test
 attribute | {_ATTN}._v_scale | 0.32-0.34 | FLASH_ATTN layout self-test
+attribute | {_ATTN}._k_scale_float | 0.32-0.34 | fp8 served at scale 1 only; CPU layout self-test
+attribute | {_ATTN}._v_scale_float | 0.32-0.34 | fp8 served at scale 1 only; CPU layout self-test
 attribute | {_CPU}:CPUAttentionMetadataBuilder.isa | 0.32-0.34 | set on each layer too (layer.isa)
 method | {_CPU}:CPUAttentionBackend.get_name | 0.32-0.34 | the cache layout by backend name
 method | {_FA}:FlashAttentionBackend.get_name | 0.32-0.34 | the cache layout by backend name
 attribute | {_CPU}:CPUAttentionBackendImpl.scale | 0.32-0.34 | the scorers' softmax scale
-attribute | {_CPU}:CPUAttentionBackendImpl.kv_cache_dtype | 0.32-0.34 | refused unless auto
+attribute | {_CPU}:CPUAttentionBackendImpl.kv_cache_dtype | 0.32-0.34 | auto or fp8 (cache_layout.CacheDType)
 attribute | {_FA}:FlashAttentionImpl.scale | 0.32-0.34 | the scorers' softmax scale
-attribute | {_FA}:FlashAttentionImpl.kv_cache_dtype | 0.32-0.34 | refused unless auto
+attribute | {_FA}:FlashAttentionImpl.kv_cache_dtype | 0.32-0.34 | refused unless auto (fp8 unchecked on CUDA)
 module | vllm._custom_ops | 0.32-0.34 | imported by worker/startup.py (as ops)
 function | vllm._cpu_ops:cpu_attn_reshape_and_cache or vllm._custom_ops:cpu_attn_reshape_and_cache | 0.32-0.34
     | CPU layout self-test (startup._cpu_ops: vllm._cpu_ops from 0.34 on)
@@ -211,7 +213,7 @@ attribute | vllm.engine.arg_utils:EngineArgs.async_scheduling | 0.32-0.34 | turn
 attribute | vllm.engine.arg_utils:EngineArgs.speculative_config | 0.32-0.34 | refused
 attribute | vllm.engine.arg_utils:EngineArgs.kv_transfer_config | 0.32-0.34 | refused
 attribute | vllm.engine.arg_utils:EngineArgs.pipeline_parallel_size | 0.32-0.34 | refused above 1
-attribute | vllm.engine.arg_utils:EngineArgs.kv_cache_dtype | 0.32-0.34 | refused unless auto
+attribute | vllm.engine.arg_utils:EngineArgs.kv_cache_dtype | 0.32-0.34 | cache_layout.CACHE_DTYPES or refused
 attribute | vllm.engine.arg_utils:EngineArgs.attention_backend | 0.32-0.34 | FLASH_ATTN on CUDA
 attribute | vllm.engine.arg_utils:EngineArgs.compilation_config | 0.32-0.34 | piecewise CUDA graphs
 attribute | vllm.engine.arg_utils:EngineArgs.enforce_eager | 0.32-0.34 | piecewise CUDA graphs

@@ -163,8 +163,8 @@ class MaskedHeads(AttentionPass):
             if len(r.token_idx) == 1:
                 decoding.append((r, dead))
                 continue
-            keys = worker.ops.gather_dense(key_view, block_ids, seq_len).unsqueeze(0)  # [1, Hkv, S, D]
-            values = worker.ops.gather_dense(value_view, block_ids, seq_len).unsqueeze(0)
+            keys, values = (worker.cache_dtype.read(worker.ops.gather_dense(view, block_ids, seq_len)).unsqueeze(0)
+                            for view in (key_view, value_view))  # [1, Hkv, S, D]
             live = ~dead.repeat_interleave(hq // len(dead), dim=0).unsqueeze(1)  # [Hq, 1, S]
             key_slot = torch.arange(seq_len, device=live.device)
             for sl in _chunks(len(r.token_idx), hq * seq_len):
@@ -185,8 +185,8 @@ class MaskedHeads(AttentionPass):
         table = padded([r.block_ids[group][:num_blocks] for r, _ in batch], key_view.device)
         hkv, d = key_view.shape[2], key_view.shape[3]
         # [B, Hkv, S, D] through the padded block table (padding reads block 0; it is masked).
-        keys, values = (view[table].reshape(len(batch), -1, hkv, d)[:, :longest].transpose(1, 2)
-                        for view in (key_view, value_view))
+        keys, values = (self.worker.cache_dtype.read(view[table].reshape(len(batch), -1, hkv, d)[:, :longest])
+                        .transpose(1, 2) for view in (key_view, value_view))
         live = torch.zeros(len(batch), hkv, longest, dtype=torch.bool, device=key_view.device)
         for j, (r, dead) in enumerate(batch):
             live[j, :, : r.seq_lens[group]] = ~dead

@@ -111,8 +111,8 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
             with worker.isolated(compactions[i].request_id, "compaction"):
                 if layer in merging[i]:
                     old = compactions[i].old_lengths[g]
-                    kept = (_kept_dense(worker.ops, keys, tables[g][i], old, keep),
-                            _kept_dense(worker.ops, values, tables[g][i], old, keep))
+                    kept = (_kept_dense(worker, keys, tables[g][i], old, keep),
+                            _kept_dense(worker, values, tables[g][i], old, keep))
                     lower = state.lower_of.get(layer)
                     if lower is None:
                         lower_kept[i, layer] = kept
@@ -206,7 +206,7 @@ def _merge_pair(worker: WorkerCompression, c: Compaction, state: RequestTokens, 
     for layer, g, k, v in ((lower, g_lo, key.lower, value.lower), (upper, g_up, key.retained, value.retained)):
         copy = c.copies[g] if c.copies else None
         row = ids[g] if copy is None else ids[g][: copy.first_block] + list(copy.fresh_blocks)
-        _write_slots(*worker.views(worker.layers[layer].kv_cache), row, k, v)
+        _write_slots(worker, *worker.views(worker.layers[layer].kv_cache), row, k, v)
     state.merged[upper] = MergedUpper.of(lower, key, value)
 
 
@@ -221,19 +221,21 @@ def _copy_indices(keep: torch.Tensor, first: int, fresh: int) -> torch.Tensor:
     return keep[:, first:] - first + fresh
 
 
-def _kept_dense(ops, view: torch.Tensor, row: torch.Tensor, length: int, keep: torch.Tensor) -> torch.Tensor:
-    """The kept tokens [Hkv, K, D] of one request's layer, in the order `keep` [Hkv, K] lists them."""
-    dense = ops.gather_dense(view, row, length)
+def _kept_dense(worker: WorkerCompression, view: torch.Tensor, row: torch.Tensor, length: int,
+                keep: torch.Tensor) -> torch.Tensor:
+    """The kept tokens [Hkv, K, D] of one request's layer, in the order `keep` [Hkv, K] lists them (as read)."""
+    dense = worker.cache_dtype.read(worker.ops.gather_dense(view, row, length))
     return torch.gather(dense, 1, keep.unsqueeze(-1).expand(-1, -1, dense.shape[-1]))
 
 
-def _write_slots(key_view: torch.Tensor, value_view: torch.Tensor, row, keys: torch.Tensor,
-                 values: torch.Tensor) -> None:
-    """Write [Hkv, n, D] keys and values into slots 0..n-1 of a request's blocks `row`."""
+def _write_slots(worker: WorkerCompression, key_view: torch.Tensor, value_view: torch.Tensor, row,
+                 keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write [Hkv, n, D] keys and values into slots 0..n-1 of a request's
+    blocks `row`, stored as vLLM's writer stores them (an fp8 cache rounds)."""
     n, block = keys.shape[1], key_view.shape[1]
     slots = torch.arange(n, device=key_view.device)
     blocks = torch.as_tensor(row, dtype=torch.int64).to(key_view.device)[slots // block]
-    key_view[blocks, slots % block] = keys.transpose(0, 1).to(key_view.dtype)
-    value_view[blocks, slots % block] = values.transpose(0, 1).to(value_view.dtype)
+    key_view[blocks, slots % block] = worker.cache_dtype.write(keys.transpose(0, 1), key_view.dtype)
+    value_view[blocks, slots % block] = worker.cache_dtype.write(values.transpose(0, 1), value_view.dtype)
 
 

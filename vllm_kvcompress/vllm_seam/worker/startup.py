@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from ...cache_layout import CACHE_DTYPES, CacheDType
 from ...config import CONFIG_KEY
 from ...sharding import ONE_DEVICE, HeadShard
 from ...token_state import score_bytes_per_kv_byte, selection_scratch_bytes
@@ -31,7 +32,9 @@ def _write_cpu_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: torc
     ops = _cpu_ops()
     _, heads, block, two_d = scratch.shape
     key_cache, value_cache = scratch.view(2, heads, 2 * block, two_d // 2).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(len(key)), layer.isa)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(len(key)), layer.isa,
+                                   k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                                   kv_cache_dtype=layer.impl.kv_cache_dtype)
 
 
 def _write_flash_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -46,28 +49,54 @@ def _write_flash_attn(layer, scratch: torch.Tensor, key: torch.Tensor, value: to
 CACHE_WRITERS = {"CPU_ATTN": _write_cpu_attn, "FLASH_ATTN": _write_flash_attn}
 
 
-def check_layout(layer, views, ops, write, backend: str) -> None:
+def cache_dtype_of(layers, backend: str) -> CacheDType:
+    """The compressed layers' KV cache dtype, or a refusal naming it.
+
+    An fp8 cache is served at scale 1 (vLLM's default without checkpoint KV
+    scales): the kernel ops read it dequantised by converting the stored
+    values, which a scale other than 1 would silently break.
+    """
+    name = layers[0].impl.kv_cache_dtype
+    if name not in CACHE_DTYPES[backend]:
+        raise RuntimeError(f"kv_compress: KV cache dtype {name!r} is not supported on {backend} "
+                           f"(valid: {', '.join(CACHE_DTYPES[backend])})")
+    if name != "auto":
+        for layer in layers:
+            scales = (layer._k_scale_float, layer._v_scale_float)
+            if scales != (1.0, 1.0):
+                raise RuntimeError(f"kv_compress: an fp8 KV cache with the checkpoint's KV scales (layer "
+                                   f"{layer.layer_name}: k {scales[0]}, v {scales[1]}) is not supported; "
+                                   f"only scale 1.0")
+    return CacheDType(name)
+
+
+def check_layout(layer, views, ops, write, backend: str, cache_dtype: CacheDType, model_dtype: torch.dtype) -> None:
     """Refuse to run unless our reader sees what vLLM's own writer wrote.
 
     A cache's inner layout depends on the backend, the instruction-set path
-    and the cache dtype; reading it wrong would corrupt output silently.
+    and the cache dtype, and an fp8 cache on vLLM's rounding (CacheDType
+    writes as vLLM's writer does: MiniCache's merged vectors, the reference
+    decoder's cache); reading or writing it wrong would corrupt output silently.
     """
-    if layer.impl.kv_cache_dtype != "auto":
-        raise RuntimeError(f"kv_compress: KV cache dtype {layer.impl.kv_cache_dtype!r} is not supported (use auto)")
     cache = layer.kv_cache
     _, heads, block, two_d = cache.shape
     dim, n = two_d // 2, block + 3
     scratch = torch.zeros_like(cache[:2])  # two blocks, the cache's own strides
-    key = torch.randn(n, heads, dim).to(cache.dtype).to(cache.device)
-    value = torch.randn(n, heads, dim).to(cache.dtype).to(cache.device)
+    # Magnitudes from the subnormal range of fp8 to past its largest value.
+    magnitude = torch.logspace(-7, 4, n * heads * dim).view(n, heads, dim)
+    key = (torch.randn(n, heads, dim) * magnitude).to(model_dtype).to(cache.device)
+    value = torch.randn(n, heads, dim).to(model_dtype).to(cache.device)
     write(layer, scratch, key, value)
     key_view, value_view = views(scratch)
     blocks = torch.arange(2, device=cache.device)
     keys, values = ops.gather_dense(key_view, blocks, n), ops.gather_dense(value_view, blocks, n)
-    if not (torch.equal(keys, key.transpose(0, 1)) and torch.equal(values, value.transpose(0, 1))):
+    stored = (cache_dtype.write(x.transpose(0, 1), key_view.dtype) for x in (key, value))
+    if not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if cache_dtype.fp8 else torch.equal(a, b)
+               for a, b in zip((keys, values), stored)):
         raise RuntimeError(
             f"kv_compress: unknown {backend} KV cache layout (shape {tuple(cache.shape)}, "
-            f"strides {cache.stride()}, dtype {cache.dtype}); refusing to compact"
+            f"strides {cache.stride()}, dtype {cache.dtype}, kv_cache_dtype {cache_dtype.name}): vLLM's writer "
+            f"stored other values than the plugin reads and writes; refusing to compact"
         )
 
 
@@ -120,7 +149,7 @@ def wrap_determine_available_memory(original):
         available = original(self)
         if CONFIG_KEY not in (self.vllm_config.additional_config or {}) or self.cache_config.kv_cache_memory_bytes:
             return available  # off, or the user sized the KV cache in bytes: scores come on top
-        if self.cache_config.cache_dtype != "auto":  # check_layout refuses other cache dtypes at startup
+        if self.cache_config.cache_dtype != "auto":  # cache_dtype_of refuses fp8 on CUDA at startup
             return available
         model, parallel = self.model_config, self.parallel_config
         q_heads, kv_heads = model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...cache_layout import LAYOUTS, KVViews
+from ...cache_layout import AUTO, LAYOUTS, CacheDType, KVViews
 from ...config import CONFIG_KEY, KVCompressConfig
 from ...kernels import get_ops
 from ...sharding import HeadShard
@@ -35,7 +35,7 @@ from .attention_passes import StepPasses
 from .compaction import FAULT_ENV, compact_requests
 from .heap import HeapTrimmer
 from .runner_view import RunnerView, view_of
-from .startup import CACHE_WRITERS, check_layout, check_scoring_exact, tensor_parallel_shard
+from .startup import CACHE_WRITERS, cache_dtype_of, check_layout, check_scoring_exact, tensor_parallel_shard
 from .step_inputs import MetadataEdits
 from .timing import PhaseTimer
 
@@ -77,9 +77,11 @@ class WorkerCompression:
                 f"kv_compress: attention backend {backend} is not supported (CPU_ATTN on CPU, "
                 f"FLASH_ATTN on CUDA); refusing to compact a cache layout it does not know"
             )
+        cache_dtype = cache_dtype_of(layers, backend)
         self.setup(view, layers, compressed.group_of_layer, compressed.vllm_groups, compressed.num_vllm_groups,
-                   block_size, LAYOUTS[backend], tensor_parallel_shard())
-        check_layout(layers[0], self.views, self.ops, CACHE_WRITERS[backend], backend)
+                   block_size, LAYOUTS[backend], tensor_parallel_shard(), cache_dtype)
+        check_layout(layers[0], self.views, self.ops, CACHE_WRITERS[backend], backend, cache_dtype,
+                     runner.vllm_config.model_config.dtype)
         # The attention backend and the metadata builders find this worker on
         # the objects they are called with (every attention layer and group).
         for module in attn_layers.values():
@@ -87,12 +89,13 @@ class WorkerCompression:
         for attention_group in (g for groups in runner.attn_groups for g in groups):
             attach(attention_group, self)
         logger.info("kv_compress worker ready (pid %d, tensor-parallel rank %d of %d): %s, %d layers, block %d, "
-                    "%s cache, %s ops, %s model runner", os.getpid(), self.shard.rank, self.shard.size,
-                    config.to_dict(), self.num_layers, self.block_size, backend, self.ops.backend,
+                    "%s cache (%s), %s ops, %s model runner", os.getpid(), self.shard.rank, self.shard.size,
+                    config.to_dict(), self.num_layers, self.block_size, backend, cache_dtype.name, self.ops.backend,
                     type(view).__name__.removesuffix("View"))
 
     def setup(self, runner: RunnerView, layers, group_of_layer, vllm_groups, num_vllm_groups: int,
-              block_size: int, views: Callable[[torch.Tensor], KVViews], shard: HeadShard) -> None:
+              block_size: int, views: Callable[[torch.Tensor], KVViews], shard: HeadShard,
+              cache_dtype: CacheDType = AUTO) -> None:
         """The state every step reads, from the compressed attention layers
         (each with `layer_name`, `kv_cache`, `num_heads`, `num_kv_heads` and
         `impl.scale`) and the model runner's view (block ids, table rows, the
@@ -112,7 +115,9 @@ class WorkerCompression:
         self.num_vllm_groups = num_vllm_groups
         self.num_groups = len(self.vllm_groups)
         self.block_size = block_size
-        self.views = views
+        # The layout's K and V views, typed as the stored values (fp8 caches are uint8 tensors).
+        self.cache_dtype = cache_dtype
+        self.views = lambda kv_cache: views(cache_dtype.storage(kv_cache))
         self.device = first.kv_cache.device
         self.ops = get_ops(self.device.type)
         self.states: dict[str, RequestTokens] = {}
