@@ -128,7 +128,17 @@ def test_every_policy_equals_the_reference_fp8_mode(fp8_engine, reference):
         quantisation_matters |= want["tokens"] != expected(reference, prompt, config, "auto")["tokens"]
     assert equal >= 0.8 * NEW_TOKENS * len(prompts), f"{equal} of {NEW_TOKENS * len(prompts)} tokens compared"
     assert sum(hit > 0 for _, hit in again) >= len(POLICY_NAMES) // 2
-    assert engine.stats()["compressions"] - before["compressions"] >= 2 * len(POLICY_NAMES)
+    stats = engine.stats()
+    assert stats["compressions"] - before["compressions"] >= 2 * len(POLICY_NAMES)
+    # Bytes as well as blocks: a block holds one byte per cached K or V element.
+    from transformers import AutoConfig
+
+    model = AutoConfig.from_pretrained(engine.llm.llm_engine.model_config.model)
+    head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
+    block_bytes = NUM_LAYERS * 2 * 32 * model.num_key_value_heads * head_dim
+    assert stats["block_bytes"] == block_bytes
+    assert stats["free_bytes"] == stats["free_blocks"] * block_bytes
+    assert all(r["bytes_held"] == r["blocks_held"] * block_bytes > 0 for r in stats["requests"].values())
     # The fp8 mode is what made them equal: full precision answers otherwise.
     assert quantisation_matters, f"{dtype}: no answer changes with the cache's rounding"
 

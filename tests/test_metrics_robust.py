@@ -55,13 +55,15 @@ def test_write_recreates_a_removed_folder(writer, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     writer.write({"total_blocks": 7, "free_blocks": 5}, force=True)
     shutil.rmtree(writer.path.parent)
-    writer.write({"total_blocks": 7, "free_blocks": 3}, force=True)  # must not raise
-    assert json.loads(writer.path.read_text()) == {"total_blocks": 7, "free_blocks": 3}
+    snapshot = {"total_blocks": 7, "free_blocks": 3, "total_bytes": 7 * 4096, "free_bytes": 3 * 4096}
+    writer.write(snapshot, force=True)  # must not raise
+    assert json.loads(writer.path.read_text()) == snapshot
     assert not warnings_about(caplog, writer.path)  # recovered at once: nothing was lost
     # The collector behind /metrics only globs the folder: it reads the recreated snapshot.
     m = collected(writer.path.parent)
     assert m["vllm:kv_compress_total_blocks"] == 7
     assert m["vllm:kv_compress_free_blocks"] == 3
+    assert m["vllm:kv_compress_free_bytes"] == 3 * 4096 and m["vllm:kv_compress_total_bytes"] == 7 * 4096
 
 
 def test_unwritable_folder_warns_once_and_recovers(writer, caplog):

@@ -34,10 +34,11 @@ def enable() -> None:
 def stats(llm) -> dict | None:
     """Compression statistics of an `LLM`'s engine: totals and per request.
 
-    Keys: total_blocks, free_blocks, tokens_evicted, blocks_freed,
-    compressions, requests_compressed, preemptions, and `requests` (id ->
-    policy, prefill_len, tokens_evicted, blocks_freed, compressions,
-    blocks_held, tokens_kept, finished). None when compression is off.
+    Keys: total_blocks, free_blocks, block_bytes, total_bytes, free_bytes,
+    tokens_evicted, blocks_freed, compressions, requests_compressed,
+    preemptions, and `requests` (id -> policy, prefill_len, tokens_evicted,
+    blocks_freed, compressions, blocks_held, bytes_held, tokens_kept,
+    finished). None when compression is off.
     """
     client = llm.llm_engine.engine_core
     if hasattr(client, "call_utility"):

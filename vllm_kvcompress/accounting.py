@@ -39,6 +39,9 @@ class CompressionStats:
     """Per-request and total counters kept by the scheduler."""
 
     total_blocks: int
+    # Bytes of KV cache per block of the pool (the allocation over its
+    # blocks): what a block costs at the cache's dtype, fp8 or the model's.
+    block_bytes: int = 0
     # vLLM's KV cache groups in order: "compressed", or the kind vLLM manages
     # itself (a hybrid model's "sliding_window" groups).
     kv_cache_groups: tuple[str, ...] = ()
@@ -93,6 +96,9 @@ class CompressionStats:
         out: dict[str, Any] = {
             "total_blocks": self.total_blocks,
             "free_blocks": free_blocks,
+            "block_bytes": self.block_bytes,
+            "total_bytes": self.total_blocks * self.block_bytes,
+            "free_bytes": free_blocks * self.block_bytes,
             "kv_cache_groups": list(self.kv_cache_groups),
             "tokens_evicted": self.tokens_evicted,
             "blocks_freed": self.blocks_freed,
@@ -101,5 +107,6 @@ class CompressionStats:
             "preemptions": self.preemptions,
         }
         if per_request:
-            out["requests"] = {k: asdict(v) for k, v in {**self.finished, **self.requests}.items()}
+            out["requests"] = {k: {**asdict(v), "bytes_held": v.blocks_held * self.block_bytes}
+                               for k, v in {**self.finished, **self.requests}.items()}
         return out

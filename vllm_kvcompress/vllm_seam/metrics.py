@@ -156,6 +156,11 @@ class KVCompressCollector:
                                 value=total("free_blocks") if sched_fresh else unknown)
         yield GaugeMetricFamily(PREFIX + "total_blocks", "KV blocks in the pool (NaN: unknown now)",
                                 value=total("total_blocks") if sched_fresh else unknown)
+        # Bytes as well as blocks: a block's bytes depend on the cache dtype (fp8 halves them).
+        yield GaugeMetricFamily(PREFIX + "free_bytes", "Free KV cache bytes in the pool (NaN: unknown now)",
+                                value=total("free_bytes") if sched_fresh else unknown)
+        yield GaugeMetricFamily(PREFIX + "total_bytes", "KV cache bytes in the pool (NaN: unknown now)",
+                                value=total("total_bytes") if sched_fresh else unknown)
         hist = HistogramMetricFamily(
             PREFIX + "request_compression_ratio",
             "Per finished compressed request: fraction of its tokens evicted (kvpress convention)")

@@ -73,6 +73,9 @@ method | {_SCHED}._free_request_blocks | 0.32-0.34 | overridden: finish, abort a
 method | {_SCHED}.finish_requests | 0.32-0.34 | called: failed requests finish with FINISHED_ERROR
 attribute | {_SCHED}.vllm_config | 0.32-0.34 | read in __init__ (additional_config)
 attribute | {_SCHED}.kv_cache_config | 0.32-0.34 | read in __init__ (kv_cache_groups)
+attribute | vllm.v1.kv_cache_interface:KVCacheConfig.num_blocks | 0.32-0.34 | bytes per block (stats)
+attribute | vllm.v1.kv_cache_interface:KVCacheConfig.kv_cache_tensors | 0.32-0.34 | bytes per block (stats)
+attribute | vllm.v1.kv_cache_interface:KVCacheTensor.size | 0.32-0.34 | bytes per block (stats)
 attribute | {_SCHED}.kv_cache_manager | 0.32-0.34 | block pool, coordinator, managers
 attribute | {_SCHED}.requests | 0.32-0.34 | request by id
 attribute | {_SCHED}.running | 0.32-0.34 | idle check for the stats snapshot

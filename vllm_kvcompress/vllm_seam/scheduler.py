@@ -59,6 +59,7 @@ class KVCompressScheduler(Scheduler):
         self.kvc_states: dict[str, RequestSchedule] = {}
         self.kvc_stats = CompressionStats(
             total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+            block_bytes=sum(t.size for t in self.kv_cache_config.kv_cache_tensors) // self.kv_cache_config.num_blocks,
             kv_cache_groups=tuple("compressed" if g in self.kvc_layers.vllm_groups else _kind(group.kv_cache_spec)
                                   for g, group in enumerate(groups)))
         self._kvc_started: dict[str, StartedRequest] = {}
