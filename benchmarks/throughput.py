@@ -130,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reserve-growth", type=int, default=None,
                    help="kv_compress_reserve_growth of the kvc-* configs: tokens of growth admission reserves "
                         "(0: vLLM's admission on the compressed prompt; default: up to max_tokens)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="every config's kv_cache_dtype (auto, fp8, fp8_e4m3, fp8_e5m2); give fp8 4x the float32 "
+                        "blocks (--small-blocks) for the same KV memory")
     p.add_argument("--policy-arg", action="append", default=[], metavar="NAME=VALUE",
                    help="a policy parameter of the kvc-* configs, e.g. prompt_chunk=256 (repeatable)")
     p.add_argument("--quick", action="store_true", help="tiny request counts and outputs (smoke test)")
@@ -369,6 +372,7 @@ def run_one(args) -> None:
     kwargs = dict(
         model=args.model, dtype=DTYPE, enforce_eager=True, block_size=BLOCK_SIZE, seed=args.seed,
         max_model_len=workload["max_model_len"], num_gpu_blocks_override=blocks,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=max(args.max_num_seqs, workload["num_requests"]),
         disable_log_stats=args.engine_mode == "inproc",
     )
@@ -469,6 +473,7 @@ def run_config(args, name: str, workload: str, wl_file: Path, tmp: Path) -> tupl
     cmd += ["--budget", str(args.budget)] if args.budget is not None else ["--ratio", str(args.ratio)]
     cmd += ["--interval", str(args.interval)] if args.interval is not None else []
     cmd += ["--reserve-growth", str(args.reserve_growth)] if args.reserve_growth is not None else []
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     for arg in args.policy_arg:
         cmd += ["--policy-arg", arg]
     t0 = time.perf_counter()
@@ -603,7 +608,8 @@ def markdown(meta: dict, workloads: dict, results: dict, summary: dict, checks: 
         f"{m['mem_gib']} GiB RAM; 1/5/15-min load average at start "
         f"{'/'.join(f'{x:.1f}' for x in m['loadavg_at_start'] or [])}, at end "
         f"{'/'.join(f'{x:.1f}' for x in meta['loadavg_at_end'] or [])}",
-        f"- model: {meta['model_name']} (`{meta['model']}`), dtype {DTYPE}, block size {BLOCK_SIZE}, "
+        f"- model: {meta['model_name']} (`{meta['model']}`), dtype {DTYPE}, "
+        f"kv_cache_dtype {meta.get('kv_cache_dtype', 'auto')}, block size {BLOCK_SIZE}, "
         f"enforce_eager, vLLM {meta['vllm_version']}, engine mode {meta['engine_mode']}",
         f"- compression (kvc-*): {meta['compression']}",
         f"- greedy, ignore_eos; prompts: Paul Graham essays, seed {meta['seed']}"
@@ -729,7 +735,8 @@ def main(argv=None) -> None:
     meta = dict(
         command=command, argv=sys.argv, date=time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
         total_s=time.time() - started, machine=machine, model=args.model,
-        model_name=Path(args.model).name, dtype=DTYPE, block_size=BLOCK_SIZE, engine_mode=args.engine_mode,
+        model_name=Path(args.model).name, dtype=DTYPE, kv_cache_dtype=args.kv_cache_dtype, block_size=BLOCK_SIZE,
+        engine_mode=args.engine_mode,
         compression=compression_label(args), policy=args.policy, ratio=args.ratio, budget=args.budget,
         quick=args.quick, seed=args.seed, repeats=args.repeats, vllm_version=vllm_version,
         loadavg_at_end=os.getloadavg(),
