@@ -57,6 +57,10 @@ class StepPlan:
     # compresses (None: never), as its schedule says after this step's
     # compactions: the workers observe up to it (R-KV's window).
     next_due: dict[str, int | None] = field(default_factory=dict)
+    # Speculative decoding: each request whose last step verified drafts, and
+    # its logical length now (its rejected drafts leave the workers' state
+    # before anything else: worker/speculation.py).
+    settled: dict[str, int] = field(default_factory=dict)
     # Some scheduled request has a plan: the workers may run compression code
     # (and, under tensor parallelism, gather their failures at the step's end).
     compressing: bool = False

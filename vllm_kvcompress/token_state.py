@@ -47,6 +47,22 @@ class MergedUpper:
                    key_scale=key.scale, value_slot=value.slot, value_scale=value.scale)
 
 
+@dataclass
+class SpeculativeQueries:
+    """One layer's observed queries of a step that verified drafts, until settled."""
+
+    queries: torch.Tensor  # [n, Hq, D] (a copy), on the cache's device
+    logical: torch.Tensor  # [n] logical positions, on the host, ascending
+
+    def before(self, logical_len: int) -> SpeculativeQueries:
+        """The queries of tokens below `logical_len` (accepted)."""
+        n = int((self.logical < logical_len).sum())
+        return SpeculativeQueries(self.queries[:n], self.logical[:n])
+
+    def __len__(self) -> int:
+        return len(self.logical)
+
+
 # Most columns a layer's score buffer holds beyond its cached tokens.
 SCORE_SLACK_TOKENS = 256
 
@@ -97,6 +113,10 @@ class RequestTokens:
         self.lower_of = {upper: lower for lower, upper in plan.merge.pairs(num_layers)}
         self._pair_keep: dict[int, torch.Tensor] = {}  # upper -> the pair's selection, not yet compacted
         self.merged: dict[int, MergedUpper] = {}
+        # Speculative decoding: the observed queries of a step that verified
+        # drafts, per layer, held until the scheduler says how many of its
+        # tokens were accepted (`settle`); a rejected draft's query is never scored.
+        self.speculative: dict[int, SpeculativeQueries] = {}
 
     # ------------------------------------------------------------ observing
 
@@ -132,6 +152,28 @@ class RequestTokens:
             raise RuntimeError(f"kv_compress: non-contiguous positions {first} after {expected}")
         self._tail_len += n
         self.logical_len = first + n
+
+    def hold_speculative(self, layer: int, queries: SpeculativeQueries) -> None:
+        """This step verifies drafts: its observed queries of `layer` wait for `settle`."""
+        self.speculative[layer] = queries
+
+    def settle(self, logical_len: int) -> dict[int, SpeculativeQueries]:
+        """The last step verified drafts and `logical_len` tokens are now
+        computed (the rest were rejected): the cache's tail drops the rejected
+        tokens (the next step writes over their slots), and the held queries
+        of accepted tokens are returned per layer, in position order, for the
+        caller to score and `accumulate` one by one, as decoding them one a
+        step would have. Rejected tokens only ever sit in the appended tail:
+        no compression falls inside a speculative step (the scheduler ends
+        the step where one is due)."""
+        held, self.speculative = self.speculative, {}
+        rejected = self.logical_len - logical_len
+        if rejected < 0 or rejected > self._tail_len:
+            raise RuntimeError(f"kv_compress: {self.logical_len} tokens computed, the scheduler says "
+                               f"{logical_len} (a tail of {self._tail_len})")
+        self._tail_len -= rejected
+        self.logical_len = logical_len
+        return {layer: accepted for layer, q in held.items() if len(accepted := q.before(logical_len))}
 
     def num_tokens(self, layer: int) -> int:
         return self._kept[layer].shape[-1] + self._tail_len

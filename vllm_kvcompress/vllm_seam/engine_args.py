@@ -218,8 +218,6 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
         return None
     config = raw if isinstance(raw, KVCompressConfig) else KVCompressConfig.from_dict(raw)
     args.additional_config = {**args.additional_config, CONFIG_KEY: config.to_dict()}
-    if args.speculative_config:
-        raise _refuse("speculative decoding (drafts are written at logical slots)")
     if args.kv_transfer_config:
         raise _refuse("a KV connector (it addresses blocks by logical position)")
     if args.pipeline_parallel_size > 1:
@@ -368,6 +366,7 @@ def check_model(vllm_config) -> None:
         raise _refuse(f"tensor_parallel_size {tp} over {model.get_total_num_kv_heads()} KV heads (ranks would "
                       f"hold copies of a head: use a size that divides the KV heads)")
     check_parallelism(vllm_config.parallel_config)
+    check_speculation(vllm_config)
     if getattr(vllm_config.cache_config, "kv_sharing_fast_prefill", False):
         raise _refuse("kv_sharing_fast_prefill (it skips prefill tokens' queries the scorers observe)")
     config = KVCompressConfig.from_dict(vllm_config.additional_config[CONFIG_KEY], limits)
@@ -384,6 +383,27 @@ def check_model(vllm_config) -> None:
         problem = parts.allocation.problem(num_layers)
         if problem is not None:
             raise KVCompressConfigError(f"{CONFIG_KEY}.allocation: {problem}")
+
+
+# Proposers whose drafts compose with compression: n-gram lookup reads only
+# the request's token ids. A draft model or an EAGLE/MTP head keeps its own
+# layers' KV in the target's KV cache groups (same block tables), which
+# compaction would have to move with the target's kept positions: refused.
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def check_speculation(vllm_config) -> None:
+    """Speculative decoding: n-gram proposals on the V1 model runner (worker/speculation.py); the rest refused."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return
+    if spec.method not in SPECULATIVE_METHODS:
+        raise _refuse(f"speculative decoding method {spec.method!r} (valid with compression: "
+                      f"{', '.join(SPECULATIVE_METHODS)}; a draft model's KV cache shares the target's blocks)")
+    # vLLM 0.34 has no such property: Model Runner V2 is its only runner.
+    if getattr(vllm_config, "use_v2_model_runner", True):
+        raise _refuse("speculative decoding on Model Runner V2 (its drafts' rejection is not followed yet; "
+                      "VLLM_USE_V2_MODEL_RUNNER=0 serves it on vLLM 0.32)")
 
 
 def check_parallelism(parallel) -> None:

@@ -71,6 +71,9 @@ class KVCompressScheduler(Scheduler):
         # Preempted for room to copy (`_plan_compression`): not resumed in the
         # step that preempted them, as vLLM resumes none of its own.
         self._kvc_held_back: set[str] = set()
+        # Requests with a plan that verified drafts in the last step: the
+        # workers learn their accepted length in the next step's plan.
+        self._kvc_speculated: set[str] = set()
         self._kvc_snapshot = SnapshotWriter("scheduler")
         self._kvc_ratios = RatioHistogram()  # finished compressed requests, for /metrics
         managers = self.kv_cache_manager.coordinator.single_type_managers
@@ -188,6 +191,8 @@ class KVCompressScheduler(Scheduler):
         return Compaction(rid, old, targets, copied if any(copied) else ())
 
     def schedule(self, *args, **kwargs):
+        # Before anything is scheduled: the lengths after the last step's rejections.
+        settled = {rid: self.requests[rid].num_computed_tokens for rid in self._kvc_speculated if rid in self.requests}
         ops = self._plan_compressions()
         try:
             output = super().schedule(*args, **kwargs)
@@ -211,8 +216,10 @@ class KVCompressScheduler(Scheduler):
         next_due = {rid: self.kvc_states[rid].next_due(self.requests[rid].num_computed_tokens - n)
                     for rid, n in output.num_scheduled_tokens.items()
                     if rid in self.kvc_states and self.kvc_states[rid].plan is not None}
+        self._kvc_speculated = {rid for rid in output.scheduled_spec_decode_tokens
+                                if rid in self.kvc_states and self.kvc_states[rid].plan is not None}
         attach_step_plan(output, StepPlan(started=started, compactions=ops, evicted=evicted, next_due=next_due,
-                                          compressing=bool(next_due)))
+                                          settled=settled, compressing=bool(next_due)))
         if ops:
             self._write_snapshot()
         return output

@@ -9,6 +9,8 @@ forward of a compressed layer, for the step's requests that need it:
   FusedDecode     attend and score decode queries in one op (vLLM's kernel
                   attended one key for them: step_inputs.MetadataEdits)
   ObservedScores  score the other observed queries
+  HeldQueries     keep the observed queries of a step that verifies drafts
+                  until their acceptance is known (speculation.py)
 
 Each request goes through at most one of the first three (a fused request is
 neither masked nor merged). One small class per pass, one entry point (`run`).
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from ... import host_reads
 from ...schedule import cdiv
 from ...step_records import ReportedBudgets
+from ...token_state import SpeculativeQueries
 from .step_inputs import ScoringBatch, StepRequest, padded
 
 if TYPE_CHECKING:
@@ -55,12 +58,15 @@ class StepPasses:
         # read their cache.
         self.fused: list[StepRequest] = []
         self.fused_rows: list[int] = []
+        # Observed queries of requests verifying drafts: held, scored once settled.
+        self.speculative: list[StepRequest] = []
         self.masked: list[StepRequest] = []  # all queries of requests with per-head budgets
         self.merged: list[StepRequest] = []  # all queries of requests with merged layer pairs
         self.batches: dict[tuple[str, int], ScoringBatch | None] = {}
         self.fused_scores: dict[int, torch.Tensor] = {}
         self.layers_seen = 0
-        self.passes = (MaskedHeads(self), MergedLayers(self), FusedDecode(self), ObservedScores(self))
+        self.passes = (MaskedHeads(self), MergedLayers(self), FusedDecode(self), HeldQueries(self),
+                       ObservedScores(self))
 
     def batch(self, kind: str, group: int) -> ScoringBatch | None:
         """The step's `kind` requests of a group as one batch (built once per step):
@@ -225,6 +231,17 @@ class MergedLayers(AttentionPass):
                 upper_keys, upper_values, r.block_ids[g_up], r.seq_lens[g_up], m.retained,
                 m.key_slot, m.key_scale, m.value_slot, m.value_scale)
             rows[r.token_idx] = out.reshape(len(r.token_idx), -1).to(rows.dtype)
+
+
+class HeldQueries(AttentionPass):
+    """Requests verifying drafts: their observed queries kept, to be scored
+    at the next step for the tokens accepted (speculation.settle_requests)."""
+
+    def run(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
+        for r in self.step.speculative:
+            if r.request_id not in self.worker.failed:
+                with self.worker.isolated(r.request_id, "holding speculative queries"):
+                    r.state.hold_speculative(layer, SpeculativeQueries(query[r.token_idx].clone(), r.q_logical))
 
 
 class ObservedScores(AttentionPass):

@@ -35,6 +35,7 @@ from .attention_passes import StepPasses
 from .compaction import FAULT_ENV, compact_requests
 from .heap import HeapTrimmer
 from .runner_view import RunnerView, view_of
+from .speculation import settle_requests
 from .startup import CACHE_WRITERS, cache_dtype_of, check_layout, check_scoring_exact, tensor_parallel_shard
 from .step_inputs import MetadataEdits
 from .timing import PhaseTimer
@@ -130,6 +131,7 @@ class WorkerCompression:
         # (the scheduler finishes it with an error), the others go on.
         self.failed: set[str] = set()
         self.compressing = False  # this step runs requests with a plan (the same on every rank)
+        self.speculative: frozenset[str] = frozenset()  # this step's requests verifying drafts
         # The attention passes and metadata edits of the running step (step_inputs).
         self.step: StepPasses | None = None
         self.metadata_edits: MetadataEdits | None = None
@@ -189,6 +191,8 @@ class WorkerCompression:
                 with self.isolated(started.request_id, "start"):
                     self.states[started.request_id] = RequestTokens(
                         started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard, self.device)
+        settle_requests(self, plan.settled)
+        self.speculative = frozenset(getattr(so, "scheduled_spec_decode_tokens", None) or ())
         for rid, due in plan.next_due.items():
             state = self.states.get(rid)
             if state is not None:

@@ -196,7 +196,7 @@ def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens
             _add_request(worker, step, i, rid, state, slice(int(starts[i]), int(starts[i]) +
                                                              int(num_scheduled_tokens[i])),
                                   positions_host, physical_host)
-    return step if step.observed or step.masked or step.merged else None
+    return step if step.observed or step.speculative or step.masked or step.merged else None
 
 def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, state: RequestTokens,
                  sl: slice,
@@ -207,7 +207,11 @@ def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, 
     state.append(q_log)
     observed = state.observed(q_log)
     masked = any(d is not None for d in state.dead)
-    if observed.any():
+    if observed.any() and rid in worker.speculative:
+        # Verifying drafts: its observed queries wait until the scheduler
+        # says which were accepted (speculation.py).
+        step.speculative.append(_step_request(worker, rid, state, sl, observed, q_log, physical_host))
+    elif observed.any():
         request = _step_request(worker, rid, state, sl, observed, q_log, physical_host)
         step.observed.append(request)
         # One query observed with a plain softmax: it sees every

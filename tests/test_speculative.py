@@ -1,0 +1,170 @@
+"""Speculative decoding (n-gram lookup) with compression: the tokens of the same
+compression without speculation (worker/speculation.py says how).
+
+SmolLM2-135M copies lists, so n-gram drafts from a list in the prompt are often
+accepted (each test asserts vLLM's acceptance counter moved) and often rejected.
+Every composition below runs in one batch through per-request settings, once
+without and once with speculation: a rejected draft's query scored (H2O, TOVA,
+R-KV, Keyformer observe decode queries), a compression crossed inside a
+verifying step, or a rejected draft's slot kept, changes tokens here. The
+speculating engines also serve from the prefix cache, in prompt chunks, and
+preempted. They run in their own engine core processes: vLLM 0.32 rebinds its
+CPU kernels by scanning every loaded module, and fails on one numba (the n-gram
+proposer's) loads into a process that already ran an engine.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers import Engine, engine_kwargs
+
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+NEW_TOKENS = 64
+# The engines' own setting: per-layer budgets over three KV cache groups.
+BASE = {"policy": "pyramidkv", "budget": 64, "layer_groups": 3}
+SETTINGS = [
+    None,  # the engine's (pyramidkv, once, per-layer groups)
+    {"policy": "snapkv", "budget": 48},  # once
+    {"policy": "h2o", "budget": 64, "interval": 16},  # rolling: every decode query observed
+    {"policy": "tova", "budget": 64, "interval": 8},  # the last query replaces the rest
+    {"policy": "keyformer", "budget": 64, "interval": 16},  # noisy logits
+    {"policy": "rkv", "budget": 64},  # the window of queries before each compression
+    {"policy": "adakv", "budget": 64},  # per-head budgets (masked attention)
+    {"policy": "streamingllm", "budget": 48, "interval": 8},  # observes nothing
+]
+PROMPTS_PER_SETTING = 2
+
+
+def list_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that ask to repeat a list of 30 items: n-gram lookup finds drafts."""
+    rng = random.Random(seed)
+    words = "apple banana cherry grape lemon mango orange peach pear plum melon kiwi lime fig date".split()
+    prompts = []
+    for _ in range(count):
+        items = [f"{rng.choice(words)} {rng.randrange(100)}" for _ in range(30)]
+        text = f"Here is a list: {', '.join(items)}.\nRepeat the list exactly, twice: {', '.join(items[:3])}"
+        prompts.append(tokenizer(text).input_ids)
+    return prompts
+
+
+def spec_counters(engine) -> dict[str, float]:
+    from vllm.v1.metrics.reader import Counter
+
+    return {m.name.removeprefix("vllm:spec_decode_"): m.value for m in engine.llm.get_metrics()
+            if isinstance(m, Counter) and m.name.startswith("vllm:spec_decode_")}
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    from kvc_tools.models import prepare_smollm2
+
+    return str(prepare_smollm2())
+
+
+@pytest.fixture(scope="module")
+def batch(smollm2):
+    from transformers import AutoTokenizer
+
+    prompts = list_prompts(AutoTokenizer.from_pretrained(smollm2), len(SETTINGS) * PROMPTS_PER_SETTING)
+    return prompts, [s for s in SETTINGS for _ in range(PROMPTS_PER_SETTING)]
+
+
+def kwargs(model: str, **overrides) -> dict:
+    return engine_kwargs(model, kv_compress=BASE, disable_log_stats=False, **overrides)
+
+
+@pytest.fixture(scope="module")
+def without_speculation(start_engine, smollm2, batch):
+    engine = start_engine(**kwargs(smollm2))
+    prompts, settings = batch
+    tokens = engine.generate(prompts, NEW_TOKENS, settings)
+    engine.close()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def speculating(smollm2, without_speculation):
+    """Speculating, with prefix caching on. Started after the engine without
+    speculation: each `LLM` takes over the process's metrics (the acceptance counters)."""
+    engine = Engine(**kwargs(smollm2, speculative_config=SPECULATIVE, enable_prefix_caching=True))
+    yield engine
+    engine.close()
+
+
+def test_speculation_gives_the_tokens_of_the_same_compression(speculating, without_speculation, batch):
+    prompts, settings = batch
+    before = spec_counters(speculating)
+    got = speculating.generate(prompts, NEW_TOKENS, settings)
+    after = spec_counters(speculating)
+    assert after["num_accepted_tokens"] > before["num_accepted_tokens"], "no draft was accepted"
+    assert after["num_draft_tokens"] - before["num_draft_tokens"] > after["num_accepted_tokens"] \
+        - before["num_accepted_tokens"], "no draft was rejected"
+    for i, (a, b) in enumerate(zip(got, without_speculation)):
+        assert a == b, f"prompt {i} ({settings[i]}): speculation changed the tokens"
+    stats = speculating.stats()
+    assert stats["free_blocks"] == stats["total_blocks"], "blocks were not returned to the pool"
+
+
+def test_prefix_cache_hits_inside_speculative_runs(speculating, without_speculation, batch):
+    """The same prompts again: hits from the prefix cache (capped where each
+    request's scorer observes), the same tokens."""
+    prompts, settings = batch
+    before = spec_counters(speculating)
+    got = speculating.generate_with_hits(prompts, NEW_TOKENS, settings)
+    assert spec_counters(speculating)["num_accepted_tokens"] > before["num_accepted_tokens"]
+    assert sum(hit for _, hit in got) > 0, "nothing was served from the prefix cache"
+    for i, ((a, _), b) in enumerate(zip(got, without_speculation)):
+        assert a == b, f"prompt {i} ({settings[i]}): a prefix-cache hit changed the tokens"
+
+
+def test_preempted_and_chunked_speculative_runs(smollm2, without_speculation, batch):
+    """A cache too small for the batch (preemptions: resumed requests replay
+    their compressions) and prompts in 64-token chunks."""
+    prompts, settings = batch
+    # Admission that forecasts growth off: vLLM admits what fits now and preempts as the requests grow.
+    engine = Engine(**engine_kwargs(smollm2, kv_compress={**BASE, "reserve_growth": 0}, disable_log_stats=False,
+                                    speculative_config=SPECULATIVE, max_model_len=512, num_gpu_blocks_override=60,
+                                    max_num_batched_tokens=64))
+    try:
+        got = engine.generate(prompts, NEW_TOKENS, settings)
+        stats = engine.stats()
+        assert stats["preemptions"] > 0, "the cache was meant to be too small"
+        assert spec_counters(engine)["num_accepted_tokens"] > 0
+    finally:
+        engine.close()
+    for i, (a, b) in enumerate(zip(got, without_speculation)):
+        assert a == b, f"prompt {i} ({settings[i]}): preemption or chunking changed the tokens"
+
+
+def test_other_proposers_are_refused(tiny_model):
+    """A draft model keeps its KV cache in the target's blocks: refused at startup, by name."""
+    from vllm import LLM
+
+    from vllm_kvcompress import KVCompressConfigError
+
+    draft = {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 2}
+    with pytest.raises(KVCompressConfigError, match="speculative decoding method 'draft_model' \\(valid with "
+                                                    "compression: ngram"):
+        LLM(**engine_kwargs(tiny_model, kv_compress="snapkv", kv_compress_budget=64, speculative_config=draft))
+
+
+@pytest.mark.parametrize("runner_v2", [True, None])  # None: vLLM 0.34, where Model Runner V2 is the only runner
+def test_speculation_on_model_runner_v2_is_refused(runner_v2):
+    """Model Runner V2 verifies drafts on a path the plugin does not follow
+    yet. (An engine on it needs Triton, which vLLM checks before the plugin:
+    the check itself, on the config it reads.)"""
+    from types import SimpleNamespace
+
+    from vllm_kvcompress import KVCompressConfigError
+    from vllm_kvcompress.vllm_seam.engine_args import check_speculation
+
+    config = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram"))
+    if runner_v2 is not None:
+        config.use_v2_model_runner = runner_v2
+    with pytest.raises(KVCompressConfigError, match="speculative decoding on Model Runner V2"):
+        check_speculation(config)
+    config.use_v2_model_runner = False
+    check_speculation(config)  # the V1 runner serves it
