@@ -96,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layer-groups", type=int, default=1,
                    help="--kv-compress-layer-groups of the engine (the number of layers, 30 for SmolLM2, "
                         "lets pyramidkv and adaptive keep per-layer budgets)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="vLLM kv_cache_dtype (auto, fp8, fp8_e4m3, fp8_e5m2), for every request alike")
     p.add_argument("--kv-space-gib", default="4", help="VLLM_CPU_KVCACHE_SPACE (GiB) unless already set")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -235,7 +237,8 @@ def main(argv=None) -> int:
                      "kv_compress_profile": profiles.pop(), "kv_compress_ratio": 0.5}
     llm = LLM(model=model, dtype=DTYPE, enforce_eager=True, block_size=BLOCK_SIZE,
               max_model_len=max_model_len, seed=args.seed, enable_prefix_caching=False,
-              max_num_seqs=args.max_num_seqs, kv_compress_layer_groups=args.layer_groups, **engine_kv)
+              max_num_seqs=args.max_num_seqs, kv_compress_layer_groups=args.layer_groups,
+              kv_cache_dtype=args.kv_cache_dtype, **engine_kv)
     startup_s = time.perf_counter() - t0
     print(f"[quality] engine up in {startup_s:.1f} s; generating ...", file=sys.stderr, flush=True)
 
@@ -298,7 +301,7 @@ def main(argv=None) -> int:
                output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
                torch_threads=_torch_threads(),
                max_model_len=max_model_len, kv_space_gib=os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-               layer_groups=args.layer_groups,
+               layer_groups=args.layer_groups, kv_cache_dtype=args.kv_cache_dtype,
                totals={k: v for k, v in st.items() if k != "requests"})
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -377,7 +380,8 @@ def markdown(run: dict, table: list[dict], cfgs: list) -> str:
         f"load average at start {m['loadavg_at_start']}; {m['platform']}, Python {m['python']}",
         f"- model: {run['model_name']} (`{run['model']}`), dtype {DTYPE}, block size {BLOCK_SIZE}, enforce_eager, "
         f"vLLM {run['vllm_version']}, max_model_len {run['max_model_len']}, "
-        f"VLLM_CPU_KVCACHE_SPACE {run['kv_space_gib']} GiB, KV cache groups {run.get('layer_groups', 1)}",
+        f"VLLM_CPU_KVCACHE_SPACE {run['kv_space_gib']} GiB, KV cache groups {run.get('layer_groups', 1)}, "
+        f"kv_cache_dtype {run.get('kv_cache_dtype', 'auto')}",
         f"- data: `kvc_tools.longctx` RULER-style tasks, length {run['length']} (prompt + max_gen_toks), "
         f"{run['samples']} samples per task (indices {run.get('first_sample', 0)}.."
         f"{run.get('first_sample', 0) + run['samples'] - 1}), seed {run['seed']}; "

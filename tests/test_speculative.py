@@ -168,3 +168,33 @@ def test_speculation_on_model_runner_v2_is_refused(runner_v2):
         check_speculation(config)
     config.use_v2_model_runner = False
     check_speculation(config)  # the V1 runner serves it
+
+
+def test_settle_drops_rejected_tokens_and_returns_accepted_queries():
+    """The worker's bookkeeping for one request (no engine): a step at
+    positions 100..103 verifies 3 drafts, 2 are accepted."""
+    import torch
+
+    from vllm_kvcompress.config import KVCompressConfig
+    from vllm_kvcompress.plan import resolve_plan
+    from vllm_kvcompress.token_state import RequestTokens, SpeculativeQueries
+
+    plan = resolve_plan(KVCompressConfig.from_dict({"policy": "tova", "budget": 32}), 100, 2, 16)
+    state = RequestTokens(plan, num_layers=2, num_kv_heads=1, num_q_heads=2)
+    state.append(torch.arange(0, 100))
+    step = torch.arange(100, 104)
+    # TOVA observes a step's last query; while verifying, each query counts as its own step.
+    assert state.observed(step).tolist() == [False, False, False, True]
+    assert state.observed(step, one_at_a_time=True).all()
+    state.append(step)
+    queries = torch.randn(4, 2, 8)
+    for layer in range(2):
+        state.hold_speculative(layer, SpeculativeQueries(queries, step))
+    accepted = state.settle(103)  # drafts at 101 and 102 accepted, 103 rejected
+    assert state.logical_len == 103 and state.num_tokens(0) == state.num_tokens(1) == 103
+    assert sorted(accepted) == [0, 1]
+    assert accepted[0].logical.tolist() == [100, 101, 102] and torch.equal(accepted[0].queries, queries[:3])
+    assert not state.speculative  # held queries are settled once
+    state.append(torch.arange(103, 104))  # the next step writes where the rejected draft was
+    with pytest.raises(RuntimeError, match="the scheduler says 110"):
+        state.settle(110)

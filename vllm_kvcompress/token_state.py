@@ -128,10 +128,14 @@ class RequestTokens:
         # Compressing once, a prompt within budget is never compressed.
         return self.plan.trigger.repeats() or self.plan.compresses_prompt
 
-    def observed(self, q_positions: torch.Tensor) -> torch.Tensor:
-        """Bool mask over this step's queries (logical positions) to observe."""
+    def observed(self, q_positions: torch.Tensor, one_at_a_time: bool = False) -> torch.Tensor:
+        """Bool mask over this step's queries (logical positions) to observe.
+        `one_at_a_time`: as if each query were a step of its own (a step that
+        verifies drafts: which of them count is known only later, `settle`)."""
         if not self.needs_attention:
             return torch.zeros_like(q_positions, dtype=torch.bool)
+        if one_at_a_time and len(q_positions) > 1:
+            return torch.cat([self.observed(q_positions[i : i + 1]) for i in range(len(q_positions))])
         # Queries in the protected start attend only protected keys: nothing to
         # learn from them (and the engine never computes prefix-cache hits).
         unprotected = q_positions >= self.plan.protected_len

@@ -111,6 +111,11 @@ attribute | {_SO}:SchedulerOutput.finished_req_ids | 0.32-0.34 | worker: drop en
 attribute | {_SO}:SchedulerOutput.preempted_req_ids | 0.32-0.34 | worker: drop preempted requests (getattr)
 attribute | {_SO}:SchedulerOutput.scheduled_new_reqs | 0.32-0.34 | MRV2 view: host block ids
 attribute | {_SO}:SchedulerOutput.scheduled_cached_reqs | 0.32-0.34 | MRV2 view: host block ids
+attribute | {_SO}:SchedulerOutput.scheduled_spec_decode_tokens | 0.32-0.34 | requests verifying drafts (getattr)
+attribute | vllm.config.vllm:VllmConfig.speculative_config | 0.32-0.34 | check_speculation: n-gram only
+attribute | vllm.config.speculative:SpeculativeConfig.method | 0.32-0.34 | check_speculation: the proposer
+attribute | vllm.config.vllm:VllmConfig.use_v2_model_runner | 0.32-0.33
+    | speculation refused on Model Runner V2 (getattr: 0.34 has no V1 runner)
 attribute | {_SO}:NewRequestData.req_id | 0.32-0.34 | MRV2 view: host block ids
 attribute | {_SO}:NewRequestData.block_ids | 0.32-0.34 | MRV2 view: host block ids
 attribute | {_SO}:CachedRequestData.req_ids | 0.32-0.34 | MRV2 view: host block ids
@@ -213,7 +218,6 @@ attribute | vllm.sampling_params:SamplingParams.extra_args | 0.32-0.34 | per-req
 attribute | vllm.engine.arg_utils:EngineArgs.additional_config | 0.32-0.34 | where the config travels
 attribute | vllm.engine.arg_utils:EngineArgs.scheduler_cls | 0.32-0.34 | KVCompressScheduler
 attribute | vllm.engine.arg_utils:EngineArgs.async_scheduling | 0.32-0.34 | turned off
-attribute | vllm.engine.arg_utils:EngineArgs.speculative_config | 0.32-0.34 | refused
 attribute | vllm.engine.arg_utils:EngineArgs.kv_transfer_config | 0.32-0.34 | refused
 attribute | vllm.engine.arg_utils:EngineArgs.pipeline_parallel_size | 0.32-0.34 | refused above 1
 attribute | vllm.engine.arg_utils:EngineArgs.kv_cache_dtype | 0.32-0.34 | cache_layout.CACHE_DTYPES or refused

@@ -205,9 +205,10 @@ def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, 
     masked and merged lists, as its state asks."""
     q_log = positions_host[sl]
     state.append(q_log)
-    observed = state.observed(q_log)
+    speculative = rid in worker.speculative
+    observed = state.observed(q_log, one_at_a_time=speculative)
     masked = any(d is not None for d in state.dead)
-    if observed.any() and rid in worker.speculative:
+    if observed.any() and speculative:
         # Verifying drafts: its observed queries wait until the scheduler
         # says which were accepted (speculation.py).
         step.speculative.append(_step_request(worker, rid, state, sl, observed, q_log, physical_host))
