@@ -146,9 +146,8 @@ def kv_args(policy: str, kept: float) -> dict:
         return {"policy": "none"}
     spec = policy_spec(policy)
     from vllm_kvcompress import POLICIES
-    from vllm_kvcompress.scorers import SCORERS
 
-    if not SCORERS[POLICIES[spec["policy"]].scorer].evicts:  # merges only (minicache): keeps every token
+    if POLICIES[spec["policy"]].scorer == "keep_all":  # merges only (minicache): keeps every token
         return spec
     return {**spec, "compression_ratio": round(1.0 - kept, 10)}
 

@@ -82,6 +82,7 @@ def start_engine():
 # rest follow in their usual order. Only the order changes, never what runs.
 LONGEST_FIRST = (
     "test_server.py",  # three servers (one rank, TP 2, DP 2): ~140 s
+    "test_speculative.py",  # five SmolLM2 engines, four speculating in their own processes: ~150 s
     "test_tensor_parallel.py",  # a TP 2 engine (spawned core and workers): ~50 s
     "test_kernels.py",  # Triton's interpreter: ~50 s
     "test_preemption.py",  # every policy preempted, alone and the reference: ~45 s

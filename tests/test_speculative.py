@@ -7,8 +7,8 @@ Every composition below runs in one batch through per-request settings, once
 without and once with speculation: a rejected draft's query scored (H2O, TOVA,
 R-KV, Keyformer observe decode queries), a compression crossed inside a
 verifying step, or a rejected draft's slot kept, changes tokens here. The
-speculating engines also serve from the prefix cache, in prompt chunks, and
-preempted. They run in their own engine core processes: vLLM 0.32 rebinds its
+speculating engines also serve from the prefix cache, in prompt chunks,
+preempted, and on an fp8 cache. They run in their own engine core processes: vLLM 0.32 rebinds its
 CPU kernels by scanning every loaded module, and fails on one numba (the n-gram
 proposer's) loads into a process that already ran an engine.
 """
@@ -137,6 +137,27 @@ def test_preempted_and_chunked_speculative_runs(smollm2, without_speculation, ba
         engine.close()
     for i, (a, b) in enumerate(zip(got, without_speculation)):
         assert a == b, f"prompt {i} ({settings[i]}): preemption or chunking changed the tokens"
+
+
+def test_speculation_on_an_fp8_cache(smollm2, batch):
+    """fp8 x compression x speculation: drafts verified over an fp8 cache keep
+    the tokens of the same fp8 compression without speculation."""
+    prompts, settings = batch
+    # One prompt per setting that observes decode queries, and the engine's own.
+    rows = [i for i, s in enumerate(settings) if s is None or s["policy"] in ("h2o", "tova", "rkv")]
+    rows = rows[::PROMPTS_PER_SETTING]
+    prompts, settings = [prompts[i] for i in rows], [settings[i] for i in rows]
+    tokens = {}
+    for spec in (None, SPECULATIVE):
+        engine = Engine(**kwargs(smollm2, speculative_config=spec, kv_cache_dtype="fp8_e4m3"))
+        try:
+            tokens[spec is not None] = engine.generate(prompts, NEW_TOKENS, settings)
+            if spec is not None:
+                assert spec_counters(engine)["num_accepted_tokens"] > 0
+        finally:
+            engine.close()
+    for i, (a, b) in enumerate(zip(tokens[True], tokens[False])):
+        assert a == b, f"{settings[i]}: speculation changed the tokens on fp8"
 
 
 def test_other_proposers_are_refused(tiny_model):
