@@ -23,7 +23,8 @@ BAD_FLAGS = [
 # Refused once the engine config is known (engine_args.prepare_engine_args,
 # check_model), read as argument errors by `vllm serve` (engine_args.wrap_serve_cmd):
 # the first also as the real command (in BAD_FLAGS), all three in process below.
-SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}'
+# A draft model (n-gram drafts are served: tests/test_speculative.py); "{model}": the tiny model's folder.
+SPECULATIVE = '{"method": "draft_model", "model": "{model}", "num_speculative_tokens": 2}'
 ENGINE_REFUSALS = [
     (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--speculative-config", SPECULATIVE],
      "vllm serve: error: kv_compress cannot be served with speculative decoding"),
@@ -67,8 +68,12 @@ def recipe_path(recipes: Path, name: str) -> str:
     return name if name.startswith("/") else str(recipes / name)
 
 
+def with_model(tiny_model: str, args: list[str]) -> list[str]:
+    return [a.replace("{model}", tiny_model) for a in args]
+
+
 def bad_flag_command(tiny_model: str, args: list[str]) -> tuple[str, ...]:
-    return ("serve", tiny_model, "--dtype", "float32", *args)
+    return ("serve", tiny_model, "--dtype", "float32", *with_model(tiny_model, args))
 
 
 def bad_recipe_command(tiny_model: str, recipes: Path, name: str) -> tuple[str, ...]:
@@ -176,7 +181,7 @@ def test_engine_refusals_are_one_line_and_exit_2(tiny_model, args, needle, capsy
 
     from vllm_kvcompress.vllm_seam.engine_args import wrap_serve_cmd
 
-    parsed = serve_parser().parse_args(["--model", tiny_model, "--dtype", "float32", *args])
+    parsed = serve_parser().parse_args(["--model", tiny_model, "--dtype", "float32", *with_model(tiny_model, args)])
     serve = wrap_serve_cmd(lambda a: AsyncEngineArgs.from_cli_args(a).create_engine_config())
     with pytest.raises(SystemExit) as e:
         serve(parsed)

@@ -14,8 +14,6 @@ SNAPKV = dict(kv_compress="snapkv", kv_compress_budget=64)
 
 
 @pytest.mark.parametrize("extra, needle", [
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}},
-     "speculative decoding"),
     ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}}, "KV connector"),
     ({"tensor_parallel_size": 4}, "over 2 KV heads"),  # ranks would hold copies of a head
     ({"pipeline_parallel_size": 2}, "pipeline parallelism"),

@@ -218,6 +218,9 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
         return None
     config = raw if isinstance(raw, KVCompressConfig) else KVCompressConfig.from_dict(raw)
     args.additional_config = {**args.additional_config, CONFIG_KEY: config.to_dict()}
+    if args.speculative_config:
+        spec = args.speculative_config
+        check_speculative_method(spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None))
     if args.kv_transfer_config:
         raise _refuse("a KV connector (it addresses blocks by logical position)")
     if args.pipeline_parallel_size > 1:
@@ -392,14 +395,21 @@ def check_model(vllm_config) -> None:
 SPECULATIVE_METHODS = ("ngram",)
 
 
+def check_speculative_method(method: str | None) -> None:
+    """Refuse proposers other than n-gram lookup: from the engine arguments
+    (before vLLM loads a draft model's config) and again once resolved."""
+    if method not in SPECULATIVE_METHODS:
+        named = repr(method) if method else "(none given: vLLM picks it from the draft model)"
+        raise _refuse(f"speculative decoding method {named} (valid with compression: "
+                      f"{', '.join(SPECULATIVE_METHODS)}; a draft model's KV cache shares the target's blocks)")
+
+
 def check_speculation(vllm_config) -> None:
     """Speculative decoding: n-gram proposals on the V1 model runner (worker/speculation.py); the rest refused."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
-    if spec.method not in SPECULATIVE_METHODS:
-        raise _refuse(f"speculative decoding method {spec.method!r} (valid with compression: "
-                      f"{', '.join(SPECULATIVE_METHODS)}; a draft model's KV cache shares the target's blocks)")
+    check_speculative_method(spec.method)
     # vLLM 0.34 has no such property: Model Runner V2 is its only runner.
     if getattr(vllm_config, "use_v2_model_runner", True):
         raise _refuse("speculative decoding on Model Runner V2 (its drafts' rejection is not followed yet; "

@@ -113,6 +113,7 @@ attribute | {_SO}:SchedulerOutput.scheduled_new_reqs | 0.32-0.34 | MRV2 view: ho
 attribute | {_SO}:SchedulerOutput.scheduled_cached_reqs | 0.32-0.34 | MRV2 view: host block ids
 attribute | {_SO}:SchedulerOutput.scheduled_spec_decode_tokens | 0.32-0.34 | requests verifying drafts (getattr)
 attribute | vllm.config.vllm:VllmConfig.speculative_config | 0.32-0.34 | check_speculation: n-gram only
+attribute | vllm.engine.arg_utils:EngineArgs.speculative_config | 0.32-0.34 | its method checked first
 attribute | vllm.config.speculative:SpeculativeConfig.method | 0.32-0.34 | check_speculation: the proposer
 attribute | vllm.config.vllm:VllmConfig.use_v2_model_runner | 0.32-0.33
     | speculation refused on Model Runner V2 (getattr: 0.34 has no V1 runner)
