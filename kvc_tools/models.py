@@ -59,6 +59,7 @@ __all__ = [
     "default_smollm2_dir",
     "find_smollm2_gguf",
     "prepare_smollm2",
+    "prepare_smollm2_draft",
     "read_manifest",
     "sha256_file",
 ]
@@ -276,6 +277,41 @@ def prepare_smollm2(
             build_seconds=round(time.monotonic() - t0, 1),
         )
         return manifest
+
+    return _get_or_build(folder, expect, build, force)
+
+
+def prepare_smollm2_draft(num_layers: int = 8, cache_dir: str | Path | None = None, force: bool = False) -> Path:
+    """A draft model for speculative decoding: SmolLM2-135M-Instruct cut to its
+    first `num_layers` layers (its embeddings, final norm and head kept): the
+    same vocabulary, cheaper, and often wrong, so its drafts are both accepted
+    and rejected."""
+    from safetensors.torch import load_file, save_file
+
+    source = prepare_smollm2()
+    folder = Path(cache_dir).expanduser() if cache_dir is not None else \
+        default_smollm2_dir().parent / f"smollm2-135m-instruct-first{num_layers}"
+    expect = {"kind": "smollm2-draft", "format": SMOLLM2_FORMAT, "source_sha256": SMOLLM2_GGUF_SHA256,
+              "num_layers": num_layers}
+
+    def build(tmp: Path) -> dict[str, Any]:
+        config = json.loads((source / "config.json").read_text())
+        if not 0 < num_layers <= config["num_hidden_layers"]:
+            raise ModelPrepError(f"num_layers must be in 1..{config['num_hidden_layers']}, not {num_layers}")
+        config["num_hidden_layers"] = num_layers
+        for name in os.listdir(source):
+            if name not in ("config.json", "model.safetensors", MANIFEST_NAME):
+                shutil.copy(source / name, tmp / name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        weights = load_file(str(source / "model.safetensors"))
+
+        def kept(name: str) -> bool:
+            parts = name.split(".")
+            return "layers" not in parts or int(parts[parts.index("layers") + 1]) < num_layers
+
+        save_file({k: v for k, v in weights.items() if kept(k)}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        return dict(expect)
 
     return _get_or_build(folder, expect, build, force)
 

@@ -23,8 +23,8 @@ BAD_FLAGS = [
 # Refused once the engine config is known (engine_args.prepare_engine_args,
 # check_model), read as argument errors by `vllm serve` (engine_args.wrap_serve_cmd):
 # the first also as the real command (in BAD_FLAGS), all three in process below.
-# A draft model (n-gram drafts are served: tests/test_speculative.py); "{model}": the tiny model's folder.
-SPECULATIVE = '{"method": "draft_model", "model": "{model}", "num_speculative_tokens": 2}'
+# An EAGLE head (n-gram and draft models are served: test_speculative.py); "{model}": the tiny model.
+SPECULATIVE = '{"method": "eagle", "model": "{model}", "num_speculative_tokens": 2}'
 ENGINE_REFUSALS = [
     (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--speculative-config", SPECULATIVE],
      "vllm serve: error: kv_compress cannot be served with speculative decoding"),

@@ -1,8 +1,10 @@
-"""Speculative decoding (n-gram lookup) with compression: the tokens of the same
-compression without speculation (worker/speculation.py says how).
+"""Speculative decoding (n-gram lookup, a draft model) with compression: the
+tokens of the same compression without speculation (worker/speculation.py says how).
 
 SmolLM2-135M copies lists, so n-gram drafts from a list in the prompt are often
 accepted (each test asserts vLLM's acceptance counter moved) and often rejected.
+The draft model is SmolLM2 cut to its first 26 of 30 layers: about half its
+drafts are accepted; its cache is compacted with the target's kept positions.
 Every composition below runs in one batch through per-request settings, once
 without and once with speculation: a rejected draft's query scored (H2O, TOVA,
 R-KV, Keyformer observe decode queries), a compression crossed inside a
@@ -22,6 +24,7 @@ import pytest
 from helpers import Engine, engine_kwargs
 
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+DRAFT_LAYERS = 26
 NEW_TOKENS = 64
 # The engines' own setting: per-layer budgets over three KV cache groups.
 BASE = {"policy": "pyramidkv", "budget": 64, "layer_groups": 3}
@@ -85,25 +88,43 @@ def without_speculation(start_engine, smollm2, batch):
     return tokens
 
 
-@pytest.fixture(scope="module")
-def speculating(smollm2, without_speculation):
+def proposer(name: str) -> dict:
+    """The speculative config of a proposer: n-gram lookup, or the cut SmolLM2 as a draft model."""
+    if name == "ngram":
+        return SPECULATIVE
+    from kvc_tools.models import prepare_smollm2_draft
+
+    return {"model": str(prepare_smollm2_draft(DRAFT_LAYERS)), "num_speculative_tokens": 3}
+
+
+def rows_for(name: str, batch) -> list[int]:
+    """The batch's rows a proposer runs: all for n-gram, one per setting for
+    the draft model (its 26 layers cost nearly the target's)."""
+    prompts, _ = batch
+    return list(range(len(prompts))) if name == "ngram" else list(range(0, len(prompts), PROMPTS_PER_SETTING))
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def speculating(request, smollm2, without_speculation):
     """Speculating, with prefix caching on. Started after the engine without
     speculation: each `LLM` takes over the process's metrics (the acceptance counters)."""
-    engine = Engine(**kwargs(smollm2, speculative_config=SPECULATIVE, enable_prefix_caching=True))
+    engine = Engine(**kwargs(smollm2, speculative_config=proposer(request.param), enable_prefix_caching=True))
+    engine.proposer = request.param
     yield engine
     engine.close()
 
 
 def test_speculation_gives_the_tokens_of_the_same_compression(speculating, without_speculation, batch):
-    prompts, settings = batch
+    rows = rows_for(speculating.proposer, batch)
+    prompts, settings = [batch[0][i] for i in rows], [batch[1][i] for i in rows]
     before = spec_counters(speculating)
     got = speculating.generate(prompts, NEW_TOKENS, settings)
     after = spec_counters(speculating)
     assert after["num_accepted_tokens"] > before["num_accepted_tokens"], "no draft was accepted"
     assert after["num_draft_tokens"] - before["num_draft_tokens"] > after["num_accepted_tokens"] \
         - before["num_accepted_tokens"], "no draft was rejected"
-    for i, (a, b) in enumerate(zip(got, without_speculation)):
-        assert a == b, f"prompt {i} ({settings[i]}): speculation changed the tokens"
+    for i, a in zip(rows, got):
+        assert a == without_speculation[i], f"prompt {i} ({settings[rows.index(i)]}): speculation changed the tokens"
     stats = speculating.stats()
     assert stats["free_blocks"] == stats["total_blocks"], "blocks were not returned to the pool"
 
@@ -111,22 +132,26 @@ def test_speculation_gives_the_tokens_of_the_same_compression(speculating, witho
 def test_prefix_cache_hits_inside_speculative_runs(speculating, without_speculation, batch):
     """The same prompts again: hits from the prefix cache (capped where each
     request's scorer observes), the same tokens."""
-    prompts, settings = batch
+    rows = rows_for(speculating.proposer, batch)
+    prompts, settings = [batch[0][i] for i in rows], [batch[1][i] for i in rows]
     before = spec_counters(speculating)
     got = speculating.generate_with_hits(prompts, NEW_TOKENS, settings)
     assert spec_counters(speculating)["num_accepted_tokens"] > before["num_accepted_tokens"]
     assert sum(hit for _, hit in got) > 0, "nothing was served from the prefix cache"
-    for i, ((a, _), b) in enumerate(zip(got, without_speculation)):
-        assert a == b, f"prompt {i} ({settings[i]}): a prefix-cache hit changed the tokens"
+    for i, (a, _) in zip(rows, got):
+        assert a == without_speculation[i], f"prompt {i} ({settings[rows.index(i)]}): a prefix-cache hit changed " \
+                                            f"the tokens"
 
 
-def test_preempted_and_chunked_speculative_runs(smollm2, without_speculation, batch):
+@pytest.mark.parametrize("name", ["ngram", "draft_model"])
+def test_preempted_and_chunked_speculative_runs(name, smollm2, without_speculation, batch):
     """A cache too small for the batch (preemptions: resumed requests replay
-    their compressions) and prompts in 64-token chunks."""
+    their compressions) and prompts in 64-token chunks: the whole batch."""
     prompts, settings = batch
+    rows = list(range(len(prompts)))
     # Admission that forecasts growth off: vLLM admits what fits now and preempts as the requests grow.
     engine = Engine(**engine_kwargs(smollm2, kv_compress={**BASE, "reserve_growth": 0}, disable_log_stats=False,
-                                    speculative_config=SPECULATIVE, max_model_len=512, num_gpu_blocks_override=60,
+                                    speculative_config=proposer(name), max_model_len=512, num_gpu_blocks_override=60,
                                     max_num_batched_tokens=64))
     try:
         got = engine.generate(prompts, NEW_TOKENS, settings)
@@ -135,8 +160,9 @@ def test_preempted_and_chunked_speculative_runs(smollm2, without_speculation, ba
         assert spec_counters(engine)["num_accepted_tokens"] > 0
     finally:
         engine.close()
-    for i, (a, b) in enumerate(zip(got, without_speculation)):
-        assert a == b, f"prompt {i} ({settings[i]}): preemption or chunking changed the tokens"
+    for i, a in zip(rows, got):
+        assert a == without_speculation[i], f"prompt {i} ({settings[rows.index(i)]}): preemption or chunking " \
+                                            f"changed the tokens"
 
 
 def test_speculation_on_an_fp8_cache(smollm2, batch):
@@ -161,15 +187,15 @@ def test_speculation_on_an_fp8_cache(smollm2, batch):
 
 
 def test_other_proposers_are_refused(tiny_model):
-    """A draft model keeps its KV cache in the target's blocks: refused at startup, by name."""
+    """An EAGLE head reads the target's hidden states: refused at startup, by name."""
     from vllm import LLM
 
     from vllm_kvcompress import KVCompressConfigError
 
-    draft = {"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 2}
-    with pytest.raises(KVCompressConfigError, match="speculative decoding method 'draft_model' \\(valid with "
-                                                    "compression: ngram"):
-        LLM(**engine_kwargs(tiny_model, kv_compress="snapkv", kv_compress_budget=64, speculative_config=draft))
+    eagle = {"method": "eagle", "model": tiny_model, "num_speculative_tokens": 2}
+    with pytest.raises(KVCompressConfigError, match="speculative decoding method 'eagle' \\(valid with "
+                                                    "compression: ngram, draft_model"):
+        LLM(**engine_kwargs(tiny_model, kv_compress="snapkv", kv_compress_budget=64, speculative_config=eagle))
 
 
 @pytest.mark.parametrize("runner_v2", [True, None])  # None: vLLM 0.34, where Model Runner V2 is the only runner
@@ -219,3 +245,52 @@ def test_settle_drops_rejected_tokens_and_returns_accepted_queries():
     state.append(torch.arange(103, 104))  # the next step writes where the rejected draft was
     with pytest.raises(RuntimeError, match="the scheduler says 110"):
         state.settle(110)
+
+
+def test_draft_slots_are_physical_and_stay_in_the_requests_blocks():
+    """A draft model's slot mapping (no engine): request 0 has evicted 40 of
+    its tokens, request 1 none; vLLM's padding stays padding, and a slot past
+    a request's blocks is not written."""
+    import torch
+
+    from vllm_kvcompress.vllm_seam.worker.speculation import DraftSlots, physical_draft_slots
+
+    bs = 4
+    table = torch.tensor([[7, 3, 9, 0], [5, 6, 0, 0]])
+    slots = DraftSlots(evicted=torch.tensor([40, 0]), capacity=torch.tensor([3 * bs, 2 * bs]))
+    positions = torch.tensor([49, 50, 51, 52, 6, 7, 8])
+    request_of = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    # What vLLM maps from logical positions (its table lookups; -1: a rejected token).
+    vllm_slots = torch.tensor([11, 12, -1, 14, 6 * bs + 2, 6 * bs + 3, 0])
+    got = physical_draft_slots(slots, positions, request_of, table, bs, vllm_slots)
+    # Physical 9, 10, (rejected), 12 = past request 0's 3 blocks; 6, 7, 8 = past request 1's 2 blocks.
+    assert got.tolist() == [9 * bs + 1, 9 * bs + 2, -1, -1, 6 * bs + 2, 6 * bs + 3, -1]
+
+
+def test_draft_layers_follow_the_shared_groups_layers():
+    """Draft layer d follows a layer of the group it shares, spread evenly;
+    KV heads map when the counts differ."""
+    from types import SimpleNamespace
+
+    from vllm_kvcompress.vllm_seam.worker.speculation import draft_layers
+
+    target = [SimpleNamespace(num_kv_heads=4) for _ in range(6)]
+    drafts = {f"draft_model.model.layers.{i}.self_attn.attn": SimpleNamespace(num_kv_heads=2) for i in range(3)}
+    got = draft_layers(drafts, target, group_of_layer=[0, 0, 0, 0, 1, 1], group=0)
+    assert [d.follows for d in got] == [0, 1, 2]
+    assert got[0].heads.tolist() == [0, 2]
+    same = draft_layers({"draft_model.model.layers.0.self_attn.attn": SimpleNamespace(num_kv_heads=4)}, target,
+                        group_of_layer=[0] * 6, group=0)
+    assert same[0].heads is None
+
+
+def test_parallel_drafting_is_refused():
+    from types import SimpleNamespace
+
+    from vllm_kvcompress import KVCompressConfigError
+    from vllm_kvcompress.vllm_seam.engine_args import check_speculation
+
+    config = SimpleNamespace(use_v2_model_runner=False,
+                             speculative_config=SimpleNamespace(method="draft_model", parallel_drafting=True))
+    with pytest.raises(KVCompressConfigError, match="parallel drafting"):
+        check_speculation(config)

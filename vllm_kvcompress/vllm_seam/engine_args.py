@@ -220,7 +220,11 @@ def prepare_engine_args(args) -> KVCompressConfig | None:
     args.additional_config = {**args.additional_config, CONFIG_KEY: config.to_dict()}
     if args.speculative_config:
         spec = args.speculative_config
-        check_speculative_method(spec.get("method") if isinstance(spec, dict) else getattr(spec, "method", None))
+        get = spec.get if isinstance(spec, dict) else lambda key: getattr(spec, key, None)
+        # Without a method vLLM picks one from the draft model (EAGLE, MTP or
+        # a plain draft model): checked once resolved (check_speculation).
+        if get("method") is not None or get("model") is None:
+            check_speculative_method(get("method"))
     if args.kv_transfer_config:
         raise _refuse("a KV connector (it addresses blocks by logical position)")
     if args.pipeline_parallel_size > 1:
@@ -389,27 +393,32 @@ def check_model(vllm_config) -> None:
 
 
 # Proposers whose drafts compose with compression: n-gram lookup reads only
-# the request's token ids. A draft model or an EAGLE/MTP head keeps its own
-# layers' KV in the target's KV cache groups (same block tables), which
-# compaction would have to move with the target's kept positions: refused.
-SPECULATIVE_METHODS = ("ngram",)
+# the request's token ids; a draft model keeps its layers' KV in the target's
+# first KV cache group, compacted with the target's kept positions
+# (worker/speculation.py). EAGLE/MTP heads read the target's hidden states at
+# positions the plugin does not follow, and are refused.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 def check_speculative_method(method: str | None) -> None:
-    """Refuse proposers other than n-gram lookup: from the engine arguments
+    """Refuse proposers other than n-gram lookup and a draft model: from the engine arguments
     (before vLLM loads a draft model's config) and again once resolved."""
     if method not in SPECULATIVE_METHODS:
         named = repr(method) if method else "(none given: vLLM picks it from the draft model)"
         raise _refuse(f"speculative decoding method {named} (valid with compression: "
-                      f"{', '.join(SPECULATIVE_METHODS)}; a draft model's KV cache shares the target's blocks)")
+                      f"{', '.join(SPECULATIVE_METHODS)}; EAGLE and MTP heads read the target's hidden states)")
 
 
 def check_speculation(vllm_config) -> None:
-    """Speculative decoding: n-gram proposals on the V1 model runner (worker/speculation.py); the rest refused."""
+    """Speculative decoding: n-gram and draft-model proposals on the V1 model runner (worker/speculation.py);
+    the rest refused."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
     check_speculative_method(spec.method)
+    if getattr(spec, "parallel_drafting", False):
+        raise _refuse("parallel drafting (speculative_config.parallel_drafting: its padding slots are not "
+                      "mapped to physical ones)")
     # vLLM 0.34 has no such property: Model Runner V2 is its only runner.
     if getattr(vllm_config, "use_v2_model_runner", True):
         raise _refuse("speculative decoding on Model Runner V2 (its drafts' rejection is not followed yet; "

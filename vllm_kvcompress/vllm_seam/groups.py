@@ -23,6 +23,15 @@ import re
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError
 from ..schedule import layer_groups
 
+# vLLM's DraftModelProposer builds the draft model under this prefix
+# (`get_model(..., prefix="draft_model")`): its attention layers sit in the
+# target's first KV cache group, with the target's block tables.
+DRAFT_PREFIX = "draft_model."
+
+
+def is_draft_layer(layer_name: str) -> bool:
+    return layer_name.startswith(DRAFT_PREFIX)
+
 
 def layer_index(layer_name: str) -> int:
     match = re.search(r"\.(\d+)\.", layer_name)
@@ -40,7 +49,9 @@ class CompressedLayers:
     drops what falls out of their window. Planner, worker state and reference
     decoder count only the compressed layers: "layer i" and "group g" in the
     plan mean the i-th compressed layer and the g-th compressed group, in
-    model order.
+    model order. A draft model's layers (speculative decoding) are none of
+    them: they ride in vLLM's group 0 and follow its compactions
+    (worker/speculation.DraftFollowers).
     """
 
     vllm_groups: tuple[int, ...]  # compressed group g -> vLLM's KV cache group id
@@ -55,8 +66,9 @@ class CompressedLayers:
         compressed = [g for g, group in enumerate(kv_cache_groups) if _is_compressed(group.kv_cache_spec,
                                                                                       CompressedAttentionSpec)]
         layer_group = {layer_index(name): i for i, g in enumerate(compressed)
-                       for name in kv_cache_groups[g].layer_names}
-        all_layers = sorted(layer_index(name) for group in kv_cache_groups for name in group.layer_names)
+                       for name in kv_cache_groups[g].layer_names if not is_draft_layer(name)}
+        all_layers = sorted(layer_index(name) for group in kv_cache_groups for name in group.layer_names
+                            if not is_draft_layer(name))
         if all_layers != list(range(len(all_layers))):
             raise RuntimeError(f"kv_compress: unexpected attention layer indices {all_layers}")
         layers = tuple(sorted(layer_group))
@@ -137,8 +149,12 @@ def _split(groups, wanted: int, full, kv_cache_spec, create_kv_cache_group_specs
     """`wanted` contiguous tiers of the full-attention layers; sliding-window
     layers regrouped to the tiers' size (vLLM's hybrid layout wants groups of
     one size: a group's layer i shares memory with every other group's)."""
-    full_names = sorted((n for g in groups if full(g.kv_cache_spec) for n in g.layer_names), key=layer_index)
+    full_names = sorted((n for g in groups if full(g.kv_cache_spec) for n in g.layer_names if not is_draft_layer(n)),
+                        key=layer_index)
     other_names = sorted((n for g in groups if not full(g.kv_cache_spec) for n in g.layer_names), key=layer_index)
+    # A draft model's layers all in the first tier: vLLM's draft proposer
+    # builds its metadata from group 0's (and wants its layers in one group).
+    draft_names = [n for g in groups if full(g.kv_cache_spec) for n in g.layer_names if is_draft_layer(n)]
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     if [type(g.kv_cache_spec) for g in groups if full(g.kv_cache_spec)] != [FullAttentionSpec] or len({
@@ -152,5 +168,6 @@ def _split(groups, wanted: int, full, kv_cache_spec, create_kv_cache_group_specs
         raise KVCompressConfigError(str(e)) from None
     size = len(full_names) // wanted
     partition = [[n for n, t in zip(full_names, tiers) if t == g] for g in range(wanted)]
+    partition[0] += draft_names
     partition += [other_names[i: i + size] for i in range(0, len(other_names), size)]
     return create_kv_cache_group_specs(kv_cache_spec, partition)

@@ -144,6 +144,11 @@ vllm.v1.core.kv_cache_utils | | get_kv_cache_groups | groups.wrap_get_kv_cache_g
     | KV cache groups carry CompressedAttentionSpec; --kv-compress-layer-groups splits the layers
 vllm.v1.core.kv_cache_planning | | get_kv_cache_groups | groups.wrap_get_kv_cache_groups | function | 0.33-0.34
     | the same where 0.33 moved it
+vllm.v1.spec_decode.llm_base_proposer | SpecDecodeBaseProposer | set_inputs_first_pass
+    | worker.hooks.wrap_draft_first_pass | method | 0.32-0.33
+    | V1: a draft model's first pass writes at physical slots (its layers share the target's group 0)
+vllm.v1.spec_decode.llm_base_proposer | SpecDecodeBaseProposer | _update_positions_dependent_metadata
+    | worker.hooks.wrap_draft_step_slots | method | 0.32-0.33 | V1: and so does each further draft token
 vllm.v1.worker.utils | AttentionGroup | build_metadata | worker.hooks.wrap_build_metadata | method | 0.32-0.34
     | each KV cache group's seq_lens follow that group's physical length; fused decode rows attend one key
 vllm.v1.engine.core | EngineCore | kv_compress_stats | scheduler.make_engine_stats | added | 0.32-0.34

@@ -91,19 +91,20 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
         g = worker.group_of_layer[layer]
         keys, values = worker.views(worker.layers[layer].kv_cache)
         keeps = _select_layer(worker, compactions, states, live, layer, keys, tables[g])
-        selected = {i: k for i, k in enumerate(keeps) if k is not None and live[i] and layer not in merging[i]}
-        batch = list(selected)
-        if batch:
-            op_keeps = [_copy_indices(k, *copied[i, g]) if (i, g) in copied else k for i, k in selected.items()]
-            # Built on the device from the device selections; the counts are
-            # the plan's lengths (shapes), never read back from the device.
-            width = max(k.shape[1] for k in op_keeps)
-            keep_idx = torch.zeros(len(op_keeps), worker.num_kv_heads, width, dtype=torch.int64, device=device)
-            for j, k in enumerate(op_keeps):
-                keep_idx[j, :, : k.shape[1]] = k
-            counts = torch.tensor([[k.shape[1]] * worker.num_kv_heads for k in op_keeps], dtype=torch.int64)
-            table = op_tables[g] if len(batch) == len(keeps) else op_tables[g][upload(torch.tensor(batch), device)]
-            worker.ops.compact_kv_batched(keys, values, table, keep_idx, upload(counts, device))
+        kept_rows = {i: k for i, k in enumerate(keeps) if k is not None and live[i]}
+        selected = {i: k for i, k in kept_rows.items() if layer not in merging[i]}
+        if selected:
+            worker.ops.compact_kv_batched(keys, values,
+                                          *_op_inputs(worker, selected, copied, op_tables[g], g, len(keeps)))
+        followers = [d for d in worker.draft_layers if d.follows == layer]
+        if followers and kept_rows:
+            # A draft model's layers keep what this layer keeps (speculation.py),
+            # merged pairs included (their kept order is their slot order).
+            table, keep_idx, counts = _op_inputs(worker, kept_rows, copied, op_tables[g], g, len(keeps))
+            for d in followers:
+                heads = slice(None) if d.heads is None else d.heads.to(device)
+                worker.ops.compact_kv_batched(*worker.views(d.module.kv_cache), table, keep_idx[:, heads].contiguous(),
+                                              counts[:, heads].contiguous())
         for i in range(len(keeps)):
             keep, state = keeps[i], states[i]
             if not live[i] or keep is None or state is None:
@@ -132,6 +133,25 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
             del ids[g][cdiv(new_len, worker.block_size):]
             first_changed = len(ids[g]) if copy is None else min(copy.first_block, len(ids[g]))
             worker.runner.refill_row(c.request_id, worker.vllm_groups[g], ids[g], first_changed)
+
+
+def _op_inputs(worker: WorkerCompression, selected: dict[int, torch.Tensor],
+               copied: dict[tuple[int, int], tuple[int, int]], op_table: torch.Tensor, g: int,
+               num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compaction op's table rows, kept indices [R, Hkv, K] and counts
+    [R, Hkv] for these rows (request index -> kept indices [Hkv, K])."""
+    device = worker.device
+    op_keeps = [_copy_indices(k, *copied[i, g]) if (i, g) in copied else k for i, k in selected.items()]
+    # Built on the device from the device selections; the counts are
+    # the plan's lengths (shapes), never read back from the device.
+    width = max(k.shape[1] for k in op_keeps)
+    keep_idx = torch.zeros(len(op_keeps), worker.num_kv_heads, width, dtype=torch.int64, device=device)
+    for j, k in enumerate(op_keeps):
+        keep_idx[j, :, : k.shape[1]] = k
+    counts = torch.tensor([[k.shape[1]] * worker.num_kv_heads for k in op_keeps], dtype=torch.int64)
+    rows = list(selected)
+    table = op_table if len(rows) == num_rows else op_table[upload(torch.tensor(rows), device)]
+    return table, keep_idx, upload(counts, device)
 
 
 def _select_layer(worker: WorkerCompression, compactions: list[Compaction], states: list[RequestTokens | None],

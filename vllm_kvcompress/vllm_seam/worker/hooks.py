@@ -8,9 +8,12 @@ Model Runner V2: `finish_requests` (before), `prepare_attn` (after),
 
 from __future__ import annotations
 
+import torch
+
 from ...config import CONFIG_KEY
 from ...step_records import WorkerReport, attach_report
 from .runner_view import MRV2View, V1View
+from .speculation import physical_draft_slots
 from .startup import wrap_determine_available_memory as wrap_determine_available_memory
 from .state import WORKER_KEY, WorkerCompression, attach, attached
 from .step_inputs import prepare_inputs
@@ -138,3 +141,44 @@ def wrap_prepare_dummy_attn(original):
         return original(self, *args, **kwargs)
 
     return prepare_dummy_attn
+
+
+# ---------------------------------------------------------------- a draft model's slots (V1)
+
+
+def wrap_draft_first_pass(original):
+    """The draft's first pass (the step's tokens again, and the one just
+    sampled): vLLM maps its slots from logical positions; they become physical."""
+
+    def set_inputs_first_pass(self, *args, **kwargs):
+        num_tokens, token_indices_to_sample, cm = original(self, *args, **kwargs)
+        kvc = attached(self)
+        if kvc is not None and kvc.draft_slots is not None:
+            slots = kvc.draft_slots
+            lengths = cm.query_start_loc[1:] - cm.query_start_loc[:-1]
+            request_of = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths,
+                                                 output_size=num_tokens)
+            positions = self.positions[:num_tokens]
+            cm.slot_mapping = physical_draft_slots(slots, positions, request_of, cm.block_table_tensor,
+                                                   kvc.block_size, cm.slot_mapping[:num_tokens])
+        return num_tokens, token_indices_to_sample, cm
+
+    return set_inputs_first_pass
+
+
+def wrap_draft_step_slots(original):
+    """Each further draft token (one per request): the slot vLLM maps from
+    its logical position becomes the physical one."""
+
+    def _update_positions_dependent_metadata(self, positions, cm, batch_size, *args, **kwargs):
+        result = original(self, positions, cm, batch_size, *args, **kwargs)
+        kvc = attached(self)
+        if kvc is not None and kvc.draft_slots is not None:
+            slots = kvc.draft_slots
+            out = self._slot_mapping_buffer[:batch_size]
+            rows = torch.arange(batch_size, device=out.device)
+            out.copy_(physical_draft_slots(slots, self.positions[:batch_size], rows, cm.block_table_tensor,
+                                           kvc.block_size, out))
+        return result
+
+    return _update_positions_dependent_metadata

@@ -20,12 +20,14 @@ the request's next compression is due, drafts included (as prompt chunks).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...host_reads import upload
 from ...token_state import RequestTokens, SpeculativeQueries
+from ..groups import layer_index
 
 if TYPE_CHECKING:
     from .state import WorkerCompression
@@ -70,3 +72,69 @@ def _score_accepted(worker: WorkerCompression, rid: str, state: RequestTokens,
             scores, worker.scales[layer], transform, max_seq_len=max(widths))
         for j, width in enumerate(widths):
             state.accumulate(layer, scores[j, :, :width])
+
+
+# ---------------------------------------------------------------- a draft model's cache
+#
+# vLLM's draft-model proposer puts the draft's attention layers in the
+# target's first KV cache group: the same blocks, the same block table, the
+# same metadata (V1's seq_lens there are that group's physical lengths). So
+# its cache is compressed with the target's kept positions: a draft layer
+# follows one target layer of that group, each of its KV heads one of that
+# layer's heads, and moves when it moves (compaction.py). Its own queries are
+# never observed. The draft only proposes and the target verifies every
+# token, so what the draft's cache keeps can change the acceptance rate,
+# never the tokens; what it must never do is write outside the request's own
+# blocks (another group's layers share the memory): its slots are physical,
+# and those past the request's blocks are not written.
+
+
+@dataclass(frozen=True)
+class DraftLayer:
+    """One attention layer of the draft model and the target layer it follows."""
+
+    module: Any  # the draft's attention layer (its `kv_cache`)
+    follows: int  # compressed layer index (in the group the draft shares)
+    heads: torch.Tensor | None  # draft KV head -> followed KV head (None: one to one)
+
+
+def draft_layers(draft_modules: dict[str, Any], layers: list, group_of_layer: list[int],
+                 group: int) -> list[DraftLayer]:
+    """The draft's layers (name -> module, in model order), each following a
+    compressed layer of `group` (compressed index), spread evenly: a draft
+    as deep as the target follows it layer by layer."""
+    if not draft_modules:
+        return []
+    candidates = [i for i, g in enumerate(group_of_layer) if g == group]
+    names = sorted(draft_modules, key=layer_index)
+    result = []
+    for d, name in enumerate(names):
+        module = draft_modules[name]
+        follows = candidates[d * len(candidates) // len(names)]
+        h_draft, h_target = module.num_kv_heads, layers[follows].num_kv_heads
+        heads = None if h_draft == h_target else torch.arange(h_draft) * h_target // h_draft
+        result.append(DraftLayer(module, follows, heads))
+    return result
+
+
+@dataclass(frozen=True)
+class DraftSlots:
+    """Where the draft writes in this step: per request (batch order) the
+    tokens its group has evicted (logical - physical) and the slots its blocks hold."""
+
+    evicted: torch.Tensor  # [R] int64, on the cache's device
+    capacity: torch.Tensor  # [R] int64
+
+
+def physical_draft_slots(slots: DraftSlots, positions: torch.Tensor, request_of: torch.Tensor,
+                         block_table: torch.Tensor, block_size: int, vllm_slots: torch.Tensor) -> torch.Tensor:
+    """The draft's slot mapping for tokens at logical `positions` of requests
+    `request_of` (batch rows): vLLM's `vllm_slots` read the block table at
+    the logical position; a compressed request's token goes where its
+    physical position is. Padding (-1, vLLM's rejected or too-long tokens)
+    stays, and so does anything past the request's blocks."""
+    physical = positions.to(torch.int64) - slots.evicted[request_of]
+    inside = (vllm_slots >= 0) & (physical >= 0) & (physical < slots.capacity[request_of])
+    physical = torch.where(inside, physical, 0)
+    blocks = block_table[request_of, physical // block_size].to(torch.int64)
+    return torch.where(inside, blocks * block_size + physical % block_size, -1).to(vllm_slots.dtype)

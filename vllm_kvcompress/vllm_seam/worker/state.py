@@ -29,13 +29,13 @@ from ...kernels import get_ops
 from ...sharding import HeadShard
 from ...step_records import ReportedBudgets, log_failure, step_plan_of
 from ...token_state import RequestTokens
-from ..groups import CompressedLayers, layer_index
+from ..groups import CompressedLayers, is_draft_layer, layer_index
 from ..metrics import SnapshotWriter
 from .attention_passes import StepPasses
 from .compaction import FAULT_ENV, compact_requests
 from .heap import HeapTrimmer
 from .runner_view import RunnerView, view_of
-from .speculation import settle_requests
+from .speculation import DraftLayer, DraftSlots, draft_layers, settle_requests
 from .startup import CACHE_WRITERS, cache_dtype_of, check_layout, check_scoring_exact, tensor_parallel_shard
 from .step_inputs import MetadataEdits
 from .timing import PhaseTimer
@@ -49,8 +49,9 @@ class WorkerCompression:
     def __init__(self, runner) -> None:
         config = KVCompressConfig.from_dict(runner.vllm_config.additional_config[CONFIG_KEY])
         context = runner.compilation_config.static_forward_context
-        attn_layers = {layer_index(name): m for name, m in context.items()
-                       if hasattr(m, "kv_cache") and hasattr(m, "impl")}
+        attention = {name: m for name, m in context.items() if hasattr(m, "kv_cache") and hasattr(m, "impl")}
+        attn_layers = {layer_index(name): m for name, m in attention.items() if not is_draft_layer(name)}
+        drafts = {name: m for name, m in attention.items() if is_draft_layer(name)}
         groups = runner.kv_cache_config.kv_cache_groups
         # Only full-attention layers compress (a hybrid model's sliding-window
         # layers run as in vLLM). "Layer" and "group" below count compressed
@@ -81,6 +82,14 @@ class WorkerCompression:
         cache_dtype = cache_dtype_of(layers, backend)
         self.setup(view, layers, compressed.group_of_layer, compressed.vllm_groups, compressed.num_vllm_groups,
                    block_size, LAYOUTS[backend], tensor_parallel_shard(), cache_dtype)
+        if drafts:
+            # vLLM's draft proposer reads group 0's metadata and block tables.
+            outside = sorted(set(drafts) - set(groups[0].layer_names))
+            if outside or 0 not in compressed.vllm_groups:
+                raise RuntimeError(f"kv_compress: the draft model's layers must share the target's first, "
+                                   f"compressed KV cache group (KV cache groups: {[g.layer_names for g in groups]})")
+            self.draft_layers: list[DraftLayer] = draft_layers(drafts, self.layers, self.group_of_layer,
+                                             compressed.vllm_groups.index(0))
         check_layout(layers[0], self.views, self.ops, CACHE_WRITERS[backend], backend, cache_dtype,
                      runner.vllm_config.model_config.dtype)
         # The attention backend and the metadata builders find this worker on
@@ -89,6 +98,8 @@ class WorkerCompression:
             attach(module, self)
         for attention_group in (g for groups in runner.attn_groups for g in groups):
             attach(attention_group, self)
+        if drafts:
+            attach(runner.drafter, self)  # its slot mappings (hooks.wrap_draft_*)
         logger.info("kv_compress worker ready (pid %d, tensor-parallel rank %d of %d): %s, %d layers, block %d, "
                     "%s cache (%s), %s ops, %s model runner", os.getpid(), self.shard.rank, self.shard.size,
                     config.to_dict(), self.num_layers, self.block_size, backend, cache_dtype.name, self.ops.backend,
@@ -135,6 +146,9 @@ class WorkerCompression:
         # The attention passes and metadata edits of the running step (step_inputs).
         self.step: StepPasses | None = None
         self.metadata_edits: MetadataEdits | None = None
+        # A draft model's layers (speculative decoding) and where they write in this step.
+        self.draft_layers = []
+        self.draft_slots: DraftSlots | None = None
         fault = os.environ.get(FAULT_ENV, "")
         self.fault_prompt_len = int(fault) if fault.isdigit() else None
         self.heap = HeapTrimmer()  # freed host memory back to the system (heap.py)
@@ -209,6 +223,7 @@ class WorkerCompression:
         (a dummy run, data parallelism's idle step, must see none)."""
         self.step = None
         self.metadata_edits = None
+        self.draft_slots = None
 
 
 def gather_failed(failed: list[str]) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 
 from ...host_reads import upload
 from ...token_state import RequestTokens
+from .speculation import DraftSlots
 
 if TYPE_CHECKING:
     from .attention_passes import StepPasses
@@ -173,6 +174,11 @@ def prepare_inputs(worker: WorkerCompression, batch: StepBatch) -> None:
                 physical_host[g] = positions_host - per_token
                 view.write_physical_slots(batch, vg, positions - upload(per_token, positions.device))
         deltas = view.seq_len_deltas(offsets)
+    if worker.draft_layers:
+        # vLLM group 0, where a draft model's layers are (speculation.py).
+        capacity = [len(view.block_ids(rid)[0]) * worker.block_size for rid in req_ids]
+        worker.draft_slots = DraftSlots(upload(torch.from_numpy(offsets[:, 0].copy()), worker.device),
+                                        upload(torch.tensor(capacity, dtype=torch.int64), worker.device))
     step = step_passes(worker, req_ids, starts, num_scheduled_tokens, positions_host, physical_host)
     worker.step = step
     fused = torch.tensor(step.fused_rows if step is not None else [], dtype=torch.int64)
