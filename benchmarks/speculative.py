@@ -1,10 +1,13 @@
-"""Speculative decoding (n-gram lookup) with and without compression: tokens/s and acceptance.
+"""Speculative decoding (n-gram lookup, a draft model) with and without compression: tokens/s and acceptance.
 
 A workload where n-gram drafts are worth something: each prompt holds a list of
 items and asks for it back, so the answer copies the prompt (SmolLM2-135M-Instruct,
-greedy, ``ignore_eos``). Each configuration runs without and with
-``speculative_config={"method": "ngram", "num_speculative_tokens": K,
-"prompt_lookup_max": 3, "prompt_lookup_min": 2}``, in its own subprocess (one
+greedy, ``ignore_eos``). Each configuration runs without speculation and with
+each proposer of ``--proposers``: ``ngram`` (``{"method": "ngram",
+"num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 2}``)
+and ``draft_model`` (SmolLM2 cut to its first ``--draft-layers`` layers,
+``kvc_tools.models.prepare_smollm2_draft``, drafting K tokens; with compression
+its cache keeps the target's kept positions), each in its own subprocess (one
 engine per process, its core in it: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), prefix
 caching off, the KV cache large enough for every request (this measures
 speculation, not memory). Reported per configuration: output tokens/s of the timed
@@ -13,7 +16,7 @@ vLLM's acceptance counters (accepted / drafted tokens, and accepted tokens per
 draft), and whether speculation left every request's tokens as they were without
 it (it must: tests/test_speculative.py).
 
-    python benchmarks/speculative.py                # ~10 min on 2 idle cores
+    python benchmarks/speculative.py                # ~20 min on 2 idle cores
     python benchmarks/speculative.py --repeats 3 --num-requests 32
 
 Writes ``benchmarks/results/speculative.md`` and ``.json`` (with the machine and
@@ -60,8 +63,15 @@ def run_one(args) -> dict:
     import vllm_kvcompress  # noqa: F401
 
     config = CONFIGS[args.one]
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 3,
-            "prompt_lookup_min": 2} if args.speculate else None
+    spec = None
+    if args.proposer == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_max": 3,
+                "prompt_lookup_min": 2}
+    elif args.proposer == "draft_model":
+        from kvc_tools.models import prepare_smollm2_draft
+
+        spec = {"model": str(prepare_smollm2_draft(args.draft_layers)),
+                "num_speculative_tokens": args.num_speculative_tokens}
     kwargs = dict(model=args.model, dtype="float32", enforce_eager=True, block_size=32, max_model_len=2048, seed=0,
                   enable_prefix_caching=False, disable_log_stats=False, speculative_config=spec)
     if config is not None:
@@ -86,7 +96,7 @@ def run_one(args) -> dict:
         runs.append({"wall_s": wall, "output_tokens": sum(map(len, tokens)),
                      **{k: after.get(k, 0) - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens",
                                                                        "num_accepted_tokens")}})
-    return {"config": args.one, "speculate": args.speculate, "runs": runs, "tokens": tokens,
+    return {"config": args.one, "proposer": args.proposer, "runs": runs, "tokens": tokens,
             "prompt_lens": [len(p) for p in prompts]}
 
 
@@ -97,15 +107,17 @@ def main() -> None:
     p.add_argument("--items", type=int, default=60, help="list items per prompt")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--proposers", default="ngram,draft_model", help="comma list of: ngram, draft_model")
+    p.add_argument("--draft-layers", type=int, default=26, help="the draft model: SmolLM2's first N layers")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model folder (default: prepare_smollm2())")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--one", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
-    p.add_argument("--speculate", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--proposer", default="off", help=argparse.SUPPRESS)
     args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.model is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from kvc_tools.models import prepare_smollm2
 
         args.model = str(prepare_smollm2())
@@ -119,26 +131,27 @@ def main() -> None:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     forwarded = ["--num-requests", str(args.num_requests), "--items", str(args.items), "--new-tokens",
                  str(args.new_tokens), "--num-speculative-tokens", str(args.num_speculative_tokens), "--repeats",
-                 str(args.repeats), "--seed", str(args.seed), "--model", args.model]
+                 str(args.repeats), "--seed", str(args.seed), "--model", args.model, "--draft-layers",
+                 str(args.draft_layers)]
     results = []
     for name in args.configs.split(","):
-        for speculate in (False, True):
-            cmd = [sys.executable, __file__, "--one", name, *forwarded] + (["--speculate"] if speculate else [])
+        for proposer in ("off", *args.proposers.split(",")):
+            cmd = [sys.executable, __file__, "--one", name, *forwarded, "--proposer", proposer]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
-                sys.exit(f"{name} (speculate={speculate}) failed:\n{out.stderr[-3000:]}")
+                sys.exit(f"{name} (proposer {proposer}) failed:\n{out.stderr[-3000:]}")
             results.append(json.loads(line[len("RESULT "):]))
-            print(f"{name} speculate={speculate}: done", file=sys.stderr)
+            print(f"{name} proposer={proposer}: done", file=sys.stderr)
 
     rows = []
     for r in results:
-        plain = next(x for x in results if x["config"] == r["config"] and not x["speculate"])
+        plain = next(x for x in results if x["config"] == r["config"] and x["proposer"] == "off")
         rates = [run["output_tokens"] / run["wall_s"] for run in r["runs"]]
         last = r["runs"][-1]
         drafted, accepted = last["num_draft_tokens"], last["num_accepted_tokens"]
         rows.append({
-            "config": r["config"], "speculate": r["speculate"],
+            "config": r["config"], "proposer": r["proposer"],
             "tok_s_median": statistics.median(rates), "tok_s_min": min(rates), "tok_s_max": max(rates),
             "acceptance": accepted / drafted if drafted else None,
             "accepted_per_draft": accepted / last["num_drafts"] if last["num_drafts"] else None,
@@ -146,13 +159,14 @@ def main() -> None:
         })
     machine = machine_info()
     lines = [
-        "# Speculative decoding (n-gram) with and without compression",
+        "# Speculative decoding (n-gram, a draft model) with and without compression",
         "",
         f"`{' '.join(['python', 'benchmarks/speculative.py', *sys.argv[1:]])}` on {machine.get('cpu_model')} "
         f"({machine.get('usable_cpus')} cores); "
         f"SmolLM2-135M-Instruct float32, {args.num_requests} requests (prompts "
         f"{min(results[0]['prompt_lens'])}-{max(results[0]['prompt_lens'])} tokens, lists of {args.items} items), "
-        f"{args.new_tokens} new tokens, greedy; n-gram drafts of {args.num_speculative_tokens}; "
+        f"{args.new_tokens} new tokens, greedy; drafts of {args.num_speculative_tokens} tokens (n-gram; "
+        f"draft model: SmolLM2's first {args.draft_layers} of 30 layers); "
         f"{args.repeats} timed runs per row (median, range).",
         "",
         "| config | speculation | output tok/s (median, range) | acceptance (accepted / drafted) | "
@@ -164,7 +178,7 @@ def main() -> None:
         name = "vanilla" if config is None else ", ".join(f"{k} {v}" for k, v in config.items())
         acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.3f}"
         per = "-" if row["accepted_per_draft"] is None else f"{row['accepted_per_draft']:.2f}"
-        lines.append(f"| {name} | {'ngram' if row['speculate'] else 'off'} | {row['tok_s_median']:.1f} "
+        lines.append(f"| {name} | {row['proposer']} | {row['tok_s_median']:.1f} "
                      f"({row['tok_s_min']:.1f}-{row['tok_s_max']:.1f}) | {acc} | {per} | "
                      f"{'yes' if row['same_tokens_as_without'] else 'NO'} |")
     table = "\n".join(lines) + "\n"

@@ -112,9 +112,18 @@ attribute | {_SO}:SchedulerOutput.preempted_req_ids | 0.32-0.34 | worker: drop p
 attribute | {_SO}:SchedulerOutput.scheduled_new_reqs | 0.32-0.34 | MRV2 view: host block ids
 attribute | {_SO}:SchedulerOutput.scheduled_cached_reqs | 0.32-0.34 | MRV2 view: host block ids
 attribute | {_SO}:SchedulerOutput.scheduled_spec_decode_tokens | 0.32-0.34 | requests verifying drafts (getattr)
-attribute | vllm.config.vllm:VllmConfig.speculative_config | 0.32-0.34 | check_speculation: n-gram only
+attribute | vllm.config.vllm:VllmConfig.speculative_config | 0.32-0.34 | check_speculation: n-gram, draft model
 attribute | vllm.engine.arg_utils:EngineArgs.speculative_config | 0.32-0.34 | its method checked first
 attribute | vllm.config.speculative:SpeculativeConfig.method | 0.32-0.34 | check_speculation: the proposer
+attribute | vllm.config.speculative:SpeculativeConfig.parallel_drafting | 0.32-0.34 | refused (getattr)
+attribute | vllm.config.speculative:SpeculativeConfig.model | 0.32-0.34 | no method: resolved from the draft
+method | vllm.v1.spec_decode.draft_model:DraftModelProposer._get_model | 0.32-0.33
+    | its prefix "draft_model" names the draft's layers (groups.DRAFT_PREFIX)
+attribute | vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.positions | 0.32-0.33
+    | the draft's logical positions, read for its physical slots
+attribute | vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._slot_mapping_buffer | 0.32-0.33
+    | a further draft token's slots, rewritten physical
+attribute | vllm.v1.worker.gpu_model_runner:GPUModelRunner.drafter | 0.32-0.33 | the worker attaches to it
 attribute | vllm.config.vllm:VllmConfig.use_v2_model_runner | 0.32-0.33
     | speculation refused on Model Runner V2 (getattr: 0.34 has no V1 runner)
 attribute | {_SO}:NewRequestData.req_id | 0.32-0.34 | MRV2 view: host block ids
