@@ -51,7 +51,7 @@ class CompressedLayers:
     plan mean the i-th compressed layer and the g-th compressed group, in
     model order. A draft model's layers (speculative decoding) are none of
     them: they ride in vLLM's group 0 and follow its compactions
-    (worker/speculation.DraftFollowers).
+    (worker/speculation.DraftLayer).
     """
 
     vllm_groups: tuple[int, ...]  # compressed group g -> vLLM's KV cache group id
