@@ -504,6 +504,8 @@ def pick_median(runs: list[dict]) -> dict:
     best = dict(ok[(len(ok) - 1) // 2])
     best["wall_s_all"] = [r["wall_s"] for r in runs if "error" not in r]
     best["cpu_s_all"] = [r["cpu_s"] for r in runs if "error" not in r]
+    best["out_tok_per_s_all"] = [r["out_tok_per_s"] for r in runs if "error" not in r]
+    best["preemptions_all"] = [r["preemptions"] for r in runs if "error" not in r]
     best["failed_runs"] = len(runs) - len(ok)
     return best
 
@@ -639,10 +641,14 @@ def markdown(meta: dict, workloads: dict, results: dict, summary: dict, checks: 
             wall = fmt(r["wall_s"])
             if len(r.get("wall_s_all", [])) > 1:
                 wall += f" ({min(r['wall_s_all']):.1f}-{max(r['wall_s_all']):.1f})"
+            tok_s, preempted = fmt(r["out_tok_per_s"]), str(r["preemptions"])
+            if len(r.get("out_tok_per_s_all", [])) > 1:
+                tok_s += f" ({min(r['out_tok_per_s_all']):.1f}-{max(r['out_tok_per_s_all']):.1f})"
+                preempted += f" ({min(r['preemptions_all'])}-{max(r['preemptions_all'])})"
             lines.append(
                 f"| {name} | {r['kv_blocks_total']} | {wall} | {fmt(r['cpu_s'])} | {fmt(r['req_per_s'], 3)} "
-                f"| {fmt(r['out_tok_per_s'])} | {fmt(r['total_tok_per_s'])} | {r['peak_running']} "
-                f"| {fmt(r['mean_running'])} | {r['preemptions']} | {fmt(k.get('tokens_evicted'))} "
+                f"| {tok_s} | {fmt(r['total_tok_per_s'])} | {r['peak_running']} "
+                f"| {fmt(r['mean_running'])} | {preempted} | {fmt(k.get('tokens_evicted'))} "
                 f"| {fmt(k.get('blocks_freed'))} | {fmt(k.get('mean_blocks_held_at_finish'))} "
                 f"| {r['loadavg_1min'][0]:.1f}-{r['loadavg_1min'][1]:.1f}{busy_mark(r, m)} | {fmt(r['startup_s'])} |")
         s = summary[wname]
@@ -680,7 +686,9 @@ def markdown(meta: dict, workloads: dict, results: dict, summary: dict, checks: 
                              f"| {fmt(x.get('first_token_matches_reference'), 2)} "
                              f"| {fmt(x.get('mean_common_prefix'))} | {fmt(x['mean_distinct_fraction'], 2)} |")
             lines.append("")
-    lines += ["Load avg: 1-minute load average before and after the timed generate; '(busy)' marks "
+    lines += ["With --repeats: the run with the median generate time is shown, the range over all runs "
+              "in brackets (generate s, out tok/s, preemptions).", "",
+              "Load avg: 1-minute load average before and after the timed generate; '(busy)' marks "
               "runs where it exceeded the usable CPUs by more than 0.5, i.e. other work competed for "
               "the cores and the timing is suspect (use --repeats on a shared machine).", ""]
     return "\n".join(lines) + "\n"

@@ -93,16 +93,18 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
         keeps = _select_layer(worker, compactions, states, live, layer, keys, tables[g])
         kept_rows = {i: k for i, k in enumerate(keeps) if k is not None and live[i]}
         selected = {i: k for i, k in kept_rows.items() if layer not in merging[i]}
-        if selected:
-            worker.ops.compact_kv_batched(keys, values,
-                                          *_op_inputs(worker, selected, copied, op_tables[g], g, len(keeps)))
+        op_inputs = _op_inputs(worker, selected, copied, op_tables[g], g, len(keeps)) if selected else None
+        if op_inputs is not None:
+            worker.ops.compact_kv_batched(keys, values, *op_inputs)
         followers = [d for d in worker.draft_layers if d.follows == layer]
         if followers and kept_rows:
             # A draft model's layers keep what this layer keeps (speculation.py),
             # merged pairs included (their kept order is their slot order).
-            table, keep_idx, counts = _op_inputs(worker, kept_rows, copied, op_tables[g], g, len(keeps))
+            if op_inputs is None or len(selected) < len(kept_rows):
+                op_inputs = _op_inputs(worker, kept_rows, copied, op_tables[g], g, len(keeps))
+            table, keep_idx, counts = op_inputs
             for d in followers:
-                heads = slice(None) if d.heads is None else d.heads.to(device)
+                heads = slice(None) if d.heads is None else d.heads
                 worker.ops.compact_kv_batched(*worker.views(d.module.kv_cache), table, keep_idx[:, heads].contiguous(),
                                               counts[:, heads].contiguous())
         for i in range(len(keeps)):

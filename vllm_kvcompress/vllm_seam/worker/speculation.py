@@ -53,13 +53,16 @@ def _score_accepted(worker: WorkerCompression, rid: str, state: RequestTokens,
     to the scores one query at a time, in position order (a decode step's sum)."""
     ids = worker.runner.block_ids(rid)
     device = worker.device
+    tables: dict[int, torch.Tensor] = {}  # one upload per KV cache group
     for layer, held in accepted.items():
         group = worker.group_of_layer[layer]
         # The tail is contiguous: a query's slot is its position less the layer's evictions.
         offset = state.logical_len - state.num_tokens(layer)
         widths = [int(p) - offset + 1 for p in held.logical]
         keys = worker.views(worker.layers[layer].kv_cache)[0]
-        table = upload(torch.tensor(ids[worker.vllm_groups[group]], dtype=torch.int64), device)
+        if group not in tables:
+            tables[group] = upload(torch.tensor(ids[worker.vllm_groups[group]], dtype=torch.int64), device)
+        table = tables[group]
         rows = len(widths)
         transform = None
         if state.noisy:
@@ -99,10 +102,11 @@ class DraftLayer:
 
 
 def draft_layers(draft_modules: dict[str, Any], layers: list, group_of_layer: list[int],
-                 group: int) -> list[DraftLayer]:
+                 group: int, device: torch.device | str = "cpu") -> list[DraftLayer]:
     """The draft's layers (name -> module, in model order), each following a
     compressed layer of `group` (compressed index), spread evenly: a draft
-    as deep as the target follows it layer by layer."""
+    as deep as the target follows it layer by layer. The head maps live on
+    `device` (the cache's), where compaction indexes with them."""
     if not draft_modules:
         return []
     candidates = [i for i, g in enumerate(group_of_layer) if g == group]
@@ -112,7 +116,7 @@ def draft_layers(draft_modules: dict[str, Any], layers: list, group_of_layer: li
         module = draft_modules[name]
         follows = candidates[d * len(candidates) // len(names)]
         h_draft, h_target = module.num_kv_heads, layers[follows].num_kv_heads
-        heads = None if h_draft == h_target else torch.arange(h_draft) * h_target // h_draft
+        heads = None if h_draft == h_target else torch.arange(h_draft, device=device) * h_target // h_draft
         result.append(DraftLayer(module, follows, heads))
     return result
 

@@ -89,7 +89,7 @@ class WorkerCompression:
                 raise RuntimeError(f"kv_compress: the draft model's layers must share the target's first, "
                                    f"compressed KV cache group (KV cache groups: {[g.layer_names for g in groups]})")
             self.draft_layers: list[DraftLayer] = draft_layers(drafts, self.layers, self.group_of_layer,
-                                             compressed.vllm_groups.index(0))
+                                                                      compressed.vllm_groups.index(0), self.device)
         check_layout(layers[0], self.views, self.ops, CACHE_WRITERS[backend], backend, cache_dtype,
                      runner.vllm_config.model_config.dtype)
         # The attention backend and the metadata builders find this worker on
