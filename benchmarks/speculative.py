@@ -18,6 +18,12 @@ it (it must: tests/test_speculative.py).
 
     python benchmarks/speculative.py                # ~20 min on 2 idle cores
     python benchmarks/speculative.py --repeats 3 --num-requests 32
+    python benchmarks/speculative.py --runner mrv2 --repeats 1 --num-requests 8 --configs vanilla,snapkv
+
+``--runner mrv2`` runs vLLM's Model Runner V2 (on CPU through the test-only
+Triton stub and Triton's interpreter, ``kvc_tools/runners.py``): its acceptance
+and tokens compare with the V1 runner's; its tokens/s on CPU do not (the
+interpreter runs MRV2's kernels).
 
 Writes ``benchmarks/results/speculative.md`` and ``.json`` (with the machine and
 the command line).
@@ -111,6 +117,7 @@ def main() -> None:
     p.add_argument("--draft-layers", type=int, default=26, help="the draft model: SmolLM2's first N layers")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runner", choices=("v1", "mrv2"), default="v1", help="vLLM's model runner (default: V1)")
     p.add_argument("--model", default=None, help="model folder (default: prepare_smollm2())")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     p.add_argument("--one", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
@@ -128,7 +135,9 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from machine import machine_info
 
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    from kvc_tools.runners import runner_env
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **runner_env(args.runner)}
     forwarded = ["--num-requests", str(args.num_requests), "--items", str(args.items), "--new-tokens",
                  str(args.new_tokens), "--num-speculative-tokens", str(args.num_speculative_tokens), "--repeats",
                  str(args.repeats), "--seed", str(args.seed), "--model", args.model, "--draft-layers",
@@ -167,7 +176,9 @@ def main() -> None:
         f"{min(results[0]['prompt_lens'])}-{max(results[0]['prompt_lens'])} tokens, lists of {args.items} items), "
         f"{args.new_tokens} new tokens, greedy; drafts of {args.num_speculative_tokens} tokens (n-gram; "
         f"draft model: SmolLM2's first {args.draft_layers} of 30 layers); "
-        f"{args.repeats} timed runs per row (median, range).",
+        f"{args.repeats} timed runs per row (median, range); {args.runner.upper()} model runner"
+        + (" (CPU: Triton's interpreter runs its kernels, so its tokens/s are not comparable)."
+           if args.runner == "mrv2" else "."),
         "",
         "| config | speculation | output tok/s (median, range) | acceptance (accepted / drafted) | "
         "accepted per draft | tokens as without speculation |",

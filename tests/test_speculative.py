@@ -18,6 +18,7 @@ and run in this process (faster to start).
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -201,23 +202,119 @@ def test_other_proposers_are_refused(tiny_model):
         LLM(**engine_kwargs(tiny_model, kv_compress="snapkv", kv_compress_budget=64, speculative_config=eagle))
 
 
+# Model Runner V2 (KVC_TEST_RUNNER=mrv2, `pytest -m mrv2`): a few settings,
+# one prompt each; the V1 runner runs the whole batch above.
+MRV2_SETTINGS = [None, {"policy": "h2o", "budget": 64, "interval": 16}, {"policy": "tova", "budget": 64, "interval": 8}]
+
+
+@pytest.fixture(scope="module")
+def mrv2_without_speculation(smollm2, batch):
+    prompts, settings = batch
+    rows = [settings.index(s) for s in MRV2_SETTINGS]
+    engine = Engine(**kwargs(smollm2))
+    try:
+        return rows, engine.generate([prompts[i] for i in rows], NEW_TOKENS, MRV2_SETTINGS)
+    finally:
+        engine.close()
+
+
+@pytest.mark.mrv2
+@pytest.mark.skipif(os.environ.get("KVC_TEST_RUNNER") != "mrv2", reason="V1: the tests above")
+@pytest.mark.parametrize("name", ["ngram", "draft_model"])
+def test_speculation_on_model_runner_v2(name, smollm2, batch, mrv2_without_speculation):
+    """On MRV2 the drafts are verified on its own path (device-side rejection,
+    and a draft model's speculator with its own attention groups, whose slots
+    and lengths are made physical): the tokens of the same compression
+    without speculation, drafts accepted and rejected, the pool whole after."""
+    rows, expected = mrv2_without_speculation
+    engine = Engine(**kwargs(smollm2, speculative_config=proposer(name)))
+    try:
+        got = engine.generate([batch[0][i] for i in rows], NEW_TOKENS, MRV2_SETTINGS)
+        counters = spec_counters(engine)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert counters["num_accepted_tokens"] > 0, "no draft was accepted"
+    assert counters["num_draft_tokens"] > counters["num_accepted_tokens"], "no draft was rejected"
+    for setting, a, b in zip(MRV2_SETTINGS, got, expected):
+        assert a == b, f"{setting}: speculation on Model Runner V2 changed the tokens"
+    assert stats["free_blocks"] == stats["total_blocks"], "blocks were not returned to the pool"
+
+
 @pytest.mark.parametrize("runner_v2", [True, None])  # None: vLLM 0.34, where Model Runner V2 is the only runner
-def test_speculation_on_model_runner_v2_is_refused(runner_v2):
-    """Model Runner V2 verifies drafts on a path the plugin does not follow
-    yet. (An engine on it needs Triton, which vLLM checks before the plugin:
-    the check itself, on the config it reads.)"""
+def test_a_draft_model_on_model_runner_v2_is_refused_where_the_seam_has_no_row(runner_v2, monkeypatch):
+    """MRV2's draft speculator is followed on vLLM 0.32-0.33 (a seam row);
+    0.34 rebuilt it: a draft model there is refused, n-gram served. (The
+    check itself, on the config it reads: no vLLM 0.34 runs here.)"""
     from types import SimpleNamespace
 
     from vllm_kvcompress import KVCompressConfigError
-    from vllm_kvcompress.vllm_seam.engine_args import check_speculation
+    from vllm_kvcompress.vllm_seam import engine_args
+    from vllm_kvcompress.vllm_seam.patches import Support
 
-    config = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram"))
+    config = SimpleNamespace(speculative_config=SimpleNamespace(method="draft_model"))
     if runner_v2 is not None:
         config.use_v2_model_runner = runner_v2
-    with pytest.raises(KVCompressConfigError, match="speculative decoding on Model Runner V2"):
-        check_speculation(config)
+    engine_args.check_speculation(config)  # the installed 0.32
+    monkeypatch.setattr(engine_args, "support", lambda: Support("0.34.0", "0.34", serves=True, untested=True))
+    with pytest.raises(KVCompressConfigError, match="a draft model on Model Runner V2 of vLLM 0.34"):
+        engine_args.check_speculation(config)
+    engine_args.check_speculation(SimpleNamespace(use_v2_model_runner=True,
+                                                  speculative_config=SimpleNamespace(method="ngram")))
     config.use_v2_model_runner = False
-    check_speculation(config)  # the V1 runner serves it
+    engine_args.check_speculation(config)  # a V1 runner (0.32-0.33) serves it
+
+
+def test_mrv2_draft_slots_and_lengths_are_physical():
+    """MRV2's draft speculator (no engine): the slot mappings it computes
+    through the runner's BlockTables become physical in place in vLLM group 0,
+    padding stays, and its metadata's lengths are physical."""
+    from dataclasses import dataclass, replace
+
+    import torch
+
+    from vllm_kvcompress.vllm_seam.worker.speculation import DraftSlots, PhysicalDraftTables, draft_metadata
+
+    bs = 4
+    gathered = torch.tensor([[7, 3, 9, 0], [5, 6, 0, 0]])  # the step's rows (physical)
+
+    class Tables:  # what MRV2's BlockTables computes: logical slots, here from a stale wider row
+        input_block_tables = [gathered]
+        slot_mappings = torch.full((2, 8), -1)
+
+        def compute_slot_mappings(self, idx_mapping, query_start_loc, positions, num_tokens, out=None):
+            out = self.slot_mappings if out is None else out
+            out[:, : len(positions)] = positions * 1000  # anything logical
+            return out[:, :num_tokens]
+
+    slots = DraftSlots(evicted=torch.tensor([40, 0]), capacity=torch.tensor([3 * bs, 2 * bs]),
+                       evicted_host=torch.tensor([40, 0]))
+    tables = Tables()
+    seen = PhysicalDraftTables(tables, slots, bs)
+    assert seen.input_block_tables is tables.input_block_tables  # everything else is vLLM's
+    # The prefill pass: request 0 has tokens 0..3 (logical 49..52), request 1 tokens 4..6 (6..8).
+    positions = torch.tensor([49, 50, 51, 52, 6, 7, 8])
+    out = seen.compute_slot_mappings(torch.arange(2), torch.tensor([0, 4, 7]), positions, 8)
+    assert out[0, :7].tolist() == [9 * bs + 1, 9 * bs + 2, 9 * bs + 3, -1, 6 * bs + 2, 6 * bs + 3, -1]
+    assert tables.slot_mappings[0, :7].tolist() == out[0, :7].tolist()  # in vLLM's own buffer
+    assert tables.slot_mappings[1, :7].tolist() == (positions * 1000).tolist()  # other groups untouched
+    # A decode step: one token a request.
+    out = seen.compute_slot_mappings(torch.arange(2), torch.tensor([0, 1, 2]), torch.tensor([50, 7]), 2)
+    assert out[0, :2].tolist() == [9 * bs + 2, 6 * bs + 3]
+
+    @dataclass
+    class Metadata:
+        seq_lens: torch.Tensor
+        seq_lens_cpu_upper_bound: torch.Tensor
+        _num_computed_tokens_cache: object = None
+
+        def replace(self, **kw):
+            return replace(self, **kw)
+
+    cm = Metadata(torch.tensor([53, 9, 0]), torch.tensor([55, 10, 0]))
+    edited = draft_metadata(cm, slots)
+    assert edited.seq_lens.tolist() == [13, 9, 0] and edited.seq_lens_cpu_upper_bound.tolist() == [15, 10, 0]
+    assert cm.seq_lens.tolist() == [53, 9, 0]  # a copy: the runner's buffers stay logical
 
 
 def test_settle_drops_rejected_tokens_and_returns_accepted_queries():

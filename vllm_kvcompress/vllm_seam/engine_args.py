@@ -34,6 +34,7 @@ from ..schedule import layer_groups
 from ..selection import SELECTIONS
 from ..triggers import TRIGGERS
 from . import metrics
+from .patches import has_row, support
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
@@ -398,6 +399,8 @@ def check_model(vllm_config) -> None:
 # (worker/speculation.py). EAGLE/MTP heads read the target's hidden states at
 # positions the plugin does not follow, and are refused.
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# The seam row that follows a draft model on Model Runner V2 (patches.py).
+MRV2_DRAFT_PROPOSE = "vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator.StandaloneARSpeculator.propose"
 
 
 def check_speculative_method(method: str | None) -> None:
@@ -410,8 +413,8 @@ def check_speculative_method(method: str | None) -> None:
 
 
 def check_speculation(vllm_config) -> None:
-    """Speculative decoding: n-gram and draft-model proposals on the V1 model runner (worker/speculation.py);
-    the rest refused."""
+    """Speculative decoding: n-gram and draft-model proposals, on either model runner
+    (worker/speculation.py); the rest refused."""
     spec = vllm_config.speculative_config
     if spec is None:
         return
@@ -420,9 +423,11 @@ def check_speculation(vllm_config) -> None:
         raise _refuse("parallel drafting (speculative_config.parallel_drafting: its padding slots are not "
                       "mapped to physical ones)")
     # vLLM 0.34 has no such property: Model Runner V2 is its only runner.
-    if getattr(vllm_config, "use_v2_model_runner", True):
-        raise _refuse("speculative decoding on Model Runner V2 (its drafts' rejection is not followed yet; "
-                      "VLLM_USE_V2_MODEL_RUNNER=0 serves it on vLLM 0.32)")
+    if spec.method == "draft_model" and getattr(vllm_config, "use_v2_model_runner", True):
+        minor = support().minor
+        if not has_row(MRV2_DRAFT_PROPOSE, minor):
+            raise _refuse(f"a draft model on Model Runner V2 of vLLM {minor} (its speculator's slots are "
+                          f"followed on vLLM 0.32-0.33; n-gram speculation is served)")
 
 
 def check_parallelism(parallel) -> None:

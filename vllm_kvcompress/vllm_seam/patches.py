@@ -149,8 +149,11 @@ vllm.v1.spec_decode.llm_base_proposer | SpecDecodeBaseProposer | set_inputs_firs
     | V1: a draft model's first pass writes at physical slots (its layers share the target's group 0)
 vllm.v1.spec_decode.llm_base_proposer | SpecDecodeBaseProposer | _update_positions_dependent_metadata
     | worker.hooks.wrap_draft_step_slots | method | 0.32-0.33 | V1: and so does each further draft token
+vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator | StandaloneARSpeculator | propose
+    | worker.hooks.wrap_mrv2_draft_propose | method | 0.32-0.33
+    | MRV2: a draft model proposes with its slot mappings made physical (0.34 rebuilt this speculator)
 vllm.v1.worker.utils | AttentionGroup | build_metadata | worker.hooks.wrap_build_metadata | method | 0.32-0.34
-    | each KV cache group's seq_lens follow that group's physical length; fused decode rows attend one key
+    | each group's seq_lens follow its physical length (MRV2's draft too); fused decode rows attend one key
 vllm.v1.engine.core | EngineCore | kv_compress_stats | scheduler.make_engine_stats | added | 0.32-0.34
     | a utility method so LLM/serve clients can read the scheduler's compression stats
 """
@@ -258,6 +261,11 @@ def apply(patches: list[Patch]) -> None:
 
 def rows_for(minor: str) -> list[Patch]:
     return [p for p in PATCHES if p.applies_to(minor)]
+
+
+def has_row(symbol: str, minor: str | None) -> bool:
+    """Whether the seam has a row for `symbol` (module.Class.attr) on vLLM `minor`."""
+    return minor is not None and any(p.symbol == symbol and p.applies_to(minor) for p in PATCHES)
 
 
 def apply_all() -> None:

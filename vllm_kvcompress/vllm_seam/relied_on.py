@@ -290,6 +290,15 @@ attribute | {_MRV2_BATCH}.num_computed_tokens_np | 0.32-0.34 | MRV2 view: step b
 attribute | {_MRV2_BATCH}.positions | 0.32-0.34 | MRV2 view: step batch
 attribute | {_MRV2_BATCH}.seq_lens | 0.32-0.34 | MRV2 view: seq_lens device
 attribute | vllm.v1.worker.gpu.async_utils:AsyncOutput.model_runner_output | 0.32-0.34 | MRV2: the report rides on it
+attribute | {_MRV2}.speculator | 0.32-0.33 | MRV2: the draft model's speculator, attached to
+attribute | vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.attn_groups | 0.32-0.33
+    | MRV2 draft: its own attention groups, physical lengths
+attribute | vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.block_tables | 0.32-0.33
+    | MRV2 draft: seen through speculation.PhysicalDraftTables while it proposes
+method | vllm.v1.worker.gpu.block_table:BlockTables.compute_slot_mappings | 0.32-0.33
+    | MRV2 draft: (idx_mapping, query_start_loc, positions, ...) -> [groups, tokens], made physical
+attribute | vllm.v1.worker.gpu.block_table:BlockTables.input_block_tables | 0.32-0.33
+    | MRV2 draft: the step's gathered rows, for its physical slots
 """
 
 

@@ -4,7 +4,9 @@ AttentionGroup.build_metadata (seam table: patches.py).
 V1 runner: `_update_states` (before), `_prepare_inputs` (after).
 Model Runner V2: `finish_requests` (before), `prepare_attn` (after),
 `prepare_dummy_attn` (before). Both: `initialize_kv_cache` (after),
-`sample_tokens` (after)."""
+`sample_tokens` (after). A draft model's slots: V1's proposer
+(`set_inputs_first_pass`, `_update_positions_dependent_metadata`), MRV2's
+speculator (`propose`)."""
 
 from __future__ import annotations
 
@@ -13,18 +15,21 @@ import torch
 from ...config import CONFIG_KEY
 from ...step_records import WorkerReport, attach_report
 from .runner_view import MRV2View, V1View
-from .speculation import physical_draft_slots
+from .speculation import PhysicalDraftTables, draft_metadata, physical_draft_slots
 from .startup import wrap_determine_available_memory as wrap_determine_available_memory
-from .state import WORKER_KEY, WorkerCompression, attach, attached
+from .state import DRAFT_GROUP_KEY, WORKER_KEY, WorkerCompression, attach, attached
 from .step_inputs import prepare_inputs
 
 
 def wrap_build_metadata(original):
     def build_metadata(self, common_attn_metadata, *args, **kwargs):
         worker = attached(self)  # every AttentionGroup of a compressing runner
-        edits = None if worker is None else worker.metadata_edits
-        if edits is not None:
-            common_attn_metadata = edits.apply(common_attn_metadata, self.kv_cache_group_id)
+        if worker is not None and self.__dict__.get(DRAFT_GROUP_KEY):
+            # MRV2's draft model: its own groups, physical lengths (speculation.py).
+            if worker.draft_slots is not None:
+                common_attn_metadata = draft_metadata(common_attn_metadata, worker.draft_slots)
+        elif worker is not None and worker.metadata_edits is not None:
+            common_attn_metadata = worker.metadata_edits.apply(common_attn_metadata, self.kv_cache_group_id)
         return original(self, common_attn_metadata, *args, **kwargs)
 
     return build_metadata
@@ -143,7 +148,7 @@ def wrap_prepare_dummy_attn(original):
     return prepare_dummy_attn
 
 
-# ---------------------------------------------------------------- a draft model's slots (V1)
+# ---------------------------------------------------------------- a draft model's slots
 
 
 def wrap_draft_first_pass(original):
@@ -182,3 +187,21 @@ def wrap_draft_step_slots(original):
         return result
 
     return _update_positions_dependent_metadata
+
+
+def wrap_mrv2_draft_propose(original):
+    """MRV2's draft model proposes (after the step's sampling) with the
+    runner's block tables seen through PhysicalDraftTables: its slots physical."""
+
+    def propose(self, *args, **kwargs):
+        kvc = attached(self)
+        if kvc is None or kvc.draft_slots is None:  # a dummy run, or compression off
+            return original(self, *args, **kwargs)
+        tables = self.block_tables
+        self.block_tables = PhysicalDraftTables(tables, kvc.draft_slots, kvc.block_size)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.block_tables = tables
+
+    return propose

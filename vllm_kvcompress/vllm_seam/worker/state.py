@@ -34,7 +34,7 @@ from ..metrics import SnapshotWriter
 from .attention_passes import StepPasses
 from .compaction import FAULT_ENV, compact_requests
 from .heap import HeapTrimmer
-from .runner_view import RunnerView, view_of
+from .runner_view import MRV2View, RunnerView, view_of
 from .speculation import DraftLayer, DraftSlots, draft_layers, settle_requests
 from .startup import CACHE_WRITERS, cache_dtype_of, check_layout, check_scoring_exact, tensor_parallel_shard
 from .step_inputs import MetadataEdits
@@ -99,7 +99,13 @@ class WorkerCompression:
         for attention_group in (g for groups in runner.attn_groups for g in groups):
             attach(attention_group, self)
         if drafts:
-            attach(runner.drafter, self)  # its slot mappings (hooks.wrap_draft_*)
+            # Its slot mappings (hooks.wrap_draft_*): V1's proposer, or MRV2's
+            # speculator, whose own attention groups get physical lengths.
+            proposer = runner.speculator if isinstance(view, MRV2View) else runner.drafter
+            attach(proposer, self)
+            for attention_group in (g for groups in getattr(proposer, "attn_groups", ()) for g in groups):
+                attach(attention_group, self)
+                attention_group.__dict__[DRAFT_GROUP_KEY] = True
         logger.info("kv_compress worker ready (pid %d, tensor-parallel rank %d of %d): %s, %d layers, block %d, "
                     "%s cache (%s), %s ops, %s model runner", os.getpid(), self.shard.rank, self.shard.size,
                     config.to_dict(), self.num_layers, self.block_size, backend, cache_dtype.name, self.ops.backend,
@@ -246,6 +252,11 @@ def gather_failed(failed: list[str]) -> list[str]:
 # The one attribute the plugin sets on vLLM's objects (the model runner, its
 # attention layers and attention groups): the runner's WorkerCompression.
 WORKER_KEY = "kv_compress_worker"
+
+
+# Marks a draft model's own attention groups (MRV2): their metadata gets the
+# draft's physical lengths, not the target step's edits.
+DRAFT_GROUP_KEY = "_kvc_draft_group"
 
 
 def attach(owner, worker: WorkerCompression | None) -> None:

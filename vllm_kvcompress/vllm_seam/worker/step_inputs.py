@@ -177,8 +177,9 @@ def prepare_inputs(worker: WorkerCompression, batch: StepBatch) -> None:
     if worker.draft_layers:
         # vLLM group 0, where a draft model's layers are (speculation.py).
         capacity = [len(view.block_ids(rid)[0]) * worker.block_size for rid in req_ids]
-        worker.draft_slots = DraftSlots(upload(torch.from_numpy(offsets[:, 0].copy()), worker.device),
-                                        upload(torch.tensor(capacity, dtype=torch.int64), worker.device))
+        evicted_host = torch.from_numpy(offsets[:, 0].copy())
+        worker.draft_slots = DraftSlots(upload(evicted_host, worker.device),
+                                        upload(torch.tensor(capacity, dtype=torch.int64), worker.device), evicted_host)
     step = step_passes(worker, req_ids, starts, num_scheduled_tokens, positions_host, physical_host)
     worker.step = step
     fused = torch.tensor(step.fused_rows if step is not None else [], dtype=torch.int64)
