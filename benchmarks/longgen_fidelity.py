@@ -89,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests, args.max_tokens = 4, 128
+    if args.model is None:
+        from kvc_tools.models import prepare_smollm2
+
+        args.model = str(prepare_smollm2())
     return args
 
 
@@ -281,16 +285,10 @@ def markdown(meta: dict, table: dict, ranges: list[str]) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.model is None:
-        from kvc_tools.models import prepare_smollm2
-
-        args.model = str(prepare_smollm2())
     if args.one:
-        run_one(args)
-        return
+        return run_one(args)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    started = time.time()
-    machine = machine_info()
+    started, machine = time.time(), machine_info()
     settings = [s for s in args.settings.split(",") if s]
     for s in settings:
         parse_setting(s)  # a bad setting fails before any engine starts

@@ -286,13 +286,23 @@ def prepare_smollm2_draft(num_layers: int = 8, cache_dir: str | Path | None = No
     first `num_layers` layers (its embeddings, final norm and head kept): the
     same vocabulary, cheaper, and often wrong, so its drafts are both accepted
     and rejected."""
-    from safetensors.torch import load_file, save_file
-
     source = prepare_smollm2()
     folder = Path(cache_dir).expanduser() if cache_dir is not None else \
         default_smollm2_dir().parent / f"smollm2-135m-instruct-first{num_layers}"
-    expect = {"kind": "smollm2-draft", "format": SMOLLM2_FORMAT, "source_sha256": SMOLLM2_GGUF_SHA256,
-              "num_layers": num_layers}
+    return cut_layers(source, num_layers, folder,
+                      {"kind": "smollm2-draft", "format": SMOLLM2_FORMAT, "source_sha256": SMOLLM2_GGUF_SHA256},
+                      force)
+
+
+def cut_layers(source: Path, num_layers: int, folder: Path, expect: dict[str, Any] | None = None,
+               force: bool = False) -> Path:
+    """A draft model: the model in `source` (config.json and model.safetensors)
+    cut to its first `num_layers` decoder layers, built in `folder` once.
+    `expect` names the source in the manifest (default: its weights' sha256)."""
+    from safetensors.torch import load_file, save_file
+
+    expect = dict(expect or {"kind": "draft", "source_sha256": sha256_file(source / WEIGHTS_NAME)})
+    expect["num_layers"] = num_layers
 
     def build(tmp: Path) -> dict[str, Any]:
         config = json.loads((source / "config.json").read_text())
@@ -300,17 +310,16 @@ def prepare_smollm2_draft(num_layers: int = 8, cache_dir: str | Path | None = No
             raise ModelPrepError(f"num_layers must be in 1..{config['num_hidden_layers']}, not {num_layers}")
         config["num_hidden_layers"] = num_layers
         for name in os.listdir(source):
-            if name not in ("config.json", "model.safetensors", MANIFEST_NAME):
+            if name not in ("config.json", WEIGHTS_NAME, MANIFEST_NAME):
                 shutil.copy(source / name, tmp / name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        weights = load_file(str(source / "model.safetensors"))
+        weights = load_file(str(source / WEIGHTS_NAME))
 
         def kept(name: str) -> bool:
             parts = name.split(".")
             return "layers" not in parts or int(parts[parts.index("layers") + 1]) < num_layers
 
-        save_file({k: v for k, v in weights.items() if kept(k)}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file({k: v for k, v in weights.items() if kept(k)}, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         return dict(expect)
 
     return _get_or_build(folder, expect, build, force)

@@ -171,23 +171,27 @@ def test_preempted_and_chunked_speculative_runs(name, smollm2, without_speculati
 
 def test_speculation_on_an_fp8_cache(smollm2, batch):
     """fp8 x compression x speculation: drafts verified over an fp8 cache keep
-    the tokens of the same fp8 compression without speculation."""
+    the tokens of the same fp8 compression without speculation, with n-gram
+    lookup and with a draft model (whose fp8 cache follows the target's)."""
     prompts, settings = batch
     # One prompt per setting that observes decode queries, and the engine's own.
     rows = [i for i, s in enumerate(settings) if s is None or s["policy"] in ("h2o", "tova", "rkv")]
     rows = rows[::PROMPTS_PER_SETTING]
     prompts, settings = [prompts[i] for i in rows], [settings[i] for i in rows]
     tokens = {}
-    for spec in (None, SPECULATIVE):
-        engine = Engine(**kwargs(smollm2, speculative_config=spec, kv_cache_dtype="fp8_e4m3"))
+    for name in (None, "ngram", "draft_model"):
+        spec = None if name is None else proposer(name)
+        engine = Engine(in_process=name != "ngram",
+                        **kwargs(smollm2, speculative_config=spec, kv_cache_dtype="fp8_e4m3"))
         try:
-            tokens[spec is not None] = engine.generate(prompts, NEW_TOKENS, settings)
+            tokens[name] = engine.generate(prompts, NEW_TOKENS, settings)
             if spec is not None:
-                assert spec_counters(engine)["num_accepted_tokens"] > 0
+                assert spec_counters(engine)["num_accepted_tokens"] > 0, f"{name}: no draft was accepted"
         finally:
             engine.close()
-    for i, (a, b) in enumerate(zip(tokens[True], tokens[False])):
-        assert a == b, f"{settings[i]}: speculation changed the tokens on fp8"
+    for name in ("ngram", "draft_model"):
+        for i, (a, b) in enumerate(zip(tokens[name], tokens[None])):
+            assert a == b, f"{settings[i]}: {name} speculation changed the tokens on fp8"
 
 
 def test_other_proposers_are_refused(tiny_model):

@@ -11,6 +11,8 @@ aborted) on the way; the pool is whole afterwards.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from helpers import BLOCK_SIZE, Engine, engine_kwargs, random_prompts
@@ -125,4 +127,42 @@ def test_abort_and_preemption_leave_the_pool_whole(tp2):
         core.step()
         step += 1
     end = tp2.stats()
+    assert end["free_blocks"] == end["total_blocks"]
+
+
+def test_a_draft_model_on_two_ranks(tp1, model):
+    """Speculative decoding with a draft model on TP=2: the tiny Llama cut to
+    its first 3 layers drafts (split over the ranks as the target), each
+    rank's draft layers follow its own heads' compaction and write at its
+    physical slots. The tokens of TP=1 without speculation, per-layer groups,
+    drafts both accepted and rejected; the pool whole after."""
+    import vllm.envs
+    from vllm.v1.metrics.reader import Counter
+
+    from kvc_tools.models import cut_layers
+
+    source = Path(model)
+    draft = cut_layers(source, NUM_LAYERS - 1, source.parent / f"{source.name}-first{NUM_LAYERS - 1}")
+    configs = [CONFIGS[0], CONFIGS[1], CONFIGS[2], CONFIGS[8]]  # snapkv, h2o (rolling), tova, pyramidkv
+    prompts = random_prompts([190, 205, 220, 235], seed=85)
+    want = tp1.generate(prompts, NEW_TOKENS, configs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        engine = Engine(**engine_kwargs(model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS,
+                                        tensor_parallel_size=2, distributed_executor_backend="mp",
+                                        disable_log_stats=False,
+                                        speculative_config={"model": str(draft), "num_speculative_tokens": 3}))
+        try:
+            got = engine.generate(prompts, NEW_TOKENS, configs)
+            counters = {m.name.removeprefix("vllm:spec_decode_"): m.value for m in engine.llm.get_metrics()
+                        if isinstance(m, Counter) and m.name.startswith("vllm:spec_decode_")}
+            end = engine.stats()
+        finally:
+            engine.close()
+    vllm.envs.disable_envs_cache()
+    assert counters["num_accepted_tokens"] > 0, "no draft was accepted"
+    assert counters["num_draft_tokens"] > counters["num_accepted_tokens"], "no draft was rejected"
+    for config, a, b in zip(configs, got, want):
+        assert a == b, f"a draft model on TP=2 changed the tokens: {config}"
     assert end["free_blocks"] == end["total_blocks"]

@@ -125,7 +125,7 @@ attribute | vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer._slot_m
     | a further draft token's slots, rewritten physical
 attribute | vllm.v1.worker.gpu_model_runner:GPUModelRunner.drafter | 0.32-0.33 | the worker attaches to it
 attribute | vllm.config.vllm:VllmConfig.use_v2_model_runner | 0.32-0.33
-    | speculation refused on Model Runner V2 (getattr: 0.34 has no V1 runner)
+    | a draft model on Model Runner V2 checked against the seam's rows (getattr: 0.34 has no V1 runner)
 attribute | {_SO}:NewRequestData.req_id | 0.32-0.34 | MRV2 view: host block ids
 attribute | {_SO}:NewRequestData.block_ids | 0.32-0.34 | MRV2 view: host block ids
 attribute | {_SO}:CachedRequestData.req_ids | 0.32-0.34 | MRV2 view: host block ids
