@@ -101,9 +101,11 @@ class WorkerCompression:
         if drafts:
             # Its slot mappings (hooks.wrap_draft_*): V1's proposer, or MRV2's
             # speculator, whose own attention groups get physical lengths.
-            proposer = runner.speculator if isinstance(view, MRV2View) else runner.drafter
+            # (V1's draft reads the target's group-0 metadata: nothing to mark.)
+            mrv2 = isinstance(view, MRV2View)
+            proposer = runner.speculator if mrv2 else runner.drafter
             attach(proposer, self)
-            for attention_group in (g for groups in getattr(proposer, "attn_groups", ()) for g in groups):
+            for attention_group in (g for groups in (proposer.attn_groups if mrv2 else ()) for g in groups):
                 attach(attention_group, self)
                 attention_group.__dict__[DRAFT_GROUP_KEY] = True
         logger.info("kv_compress worker ready (pid %d, tensor-parallel rank %d of %d): %s, %d layers, block %d, "
