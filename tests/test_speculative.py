@@ -361,7 +361,8 @@ def test_draft_slots_are_physical_and_stay_in_the_requests_blocks():
 
     bs = 4
     table = torch.tensor([[7, 3, 9, 0], [5, 6, 0, 0]])
-    slots = DraftSlots(evicted=torch.tensor([40, 0]), capacity=torch.tensor([3 * bs, 2 * bs]))
+    slots = DraftSlots(evicted=torch.tensor([40, 0]), capacity=torch.tensor([3 * bs, 2 * bs]),
+                       evicted_host=torch.tensor([40, 0]))
     positions = torch.tensor([49, 50, 51, 52, 6, 7, 8])
     request_of = torch.tensor([0, 0, 0, 0, 1, 1, 1])
     # What vLLM maps from logical positions (its table lookups; -1: a rejected token).

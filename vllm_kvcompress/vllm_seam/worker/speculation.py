@@ -128,7 +128,7 @@ class DraftSlots:
 
     evicted: torch.Tensor  # [R] int64, on the cache's device
     capacity: torch.Tensor  # [R] int64
-    evicted_host: torch.Tensor | None = None  # [R] int64, the same on the host (MRV2's length bounds)
+    evicted_host: torch.Tensor  # [R] int64, the same on the host (MRV2's length bounds)
 
 
 def physical_draft_slots(slots: DraftSlots, positions: torch.Tensor, request_of: torch.Tensor,
@@ -190,7 +190,7 @@ def draft_metadata(cm: Any, slots: DraftSlots) -> Any:
     seq_lens = cm.seq_lens.clone()
     seq_lens[:num_reqs] -= slots.evicted.to(seq_lens.device, seq_lens.dtype)
     upper = cm.seq_lens_cpu_upper_bound
-    if upper is not None and slots.evicted_host is not None:
+    if upper is not None:
         upper = upper.clone()
         upper[:num_reqs] -= slots.evicted_host.to(upper.dtype)
     return cm.replace(seq_lens=seq_lens, seq_lens_cpu_upper_bound=upper, _num_computed_tokens_cache=None)
