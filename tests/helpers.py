@@ -10,6 +10,20 @@ import random
 BLOCK_SIZE = 32  # small blocks: evictions free blocks at small budgets
 
 
+def _cpu_fp8_mark():
+    import pytest
+
+    from vllm_kvcompress.cache_layout import cpu_fp8_unserved
+
+    why = cpu_fp8_unserved()
+    return pytest.mark.skipif(why is not None, reason=f"fp8 KV cache: {why}")
+
+
+# On an engine test that holds an fp8 cache: skipped, naming the instruction
+# set, where vLLM's CPU attention cannot hold one (AVX2 without AVX-512).
+requires_cpu_fp8 = _cpu_fp8_mark()
+
+
 def engine_kwargs(model: str, **overrides) -> dict:
     kwargs = dict(
         model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,

@@ -27,7 +27,7 @@ import types
 import pytest
 import torch
 
-from helpers import engine_kwargs, random_prompts
+from helpers import engine_kwargs, random_prompts, requires_cpu_fp8
 from vllm_kvcompress.cache_layout import FP8_FORMATS, CacheDType, truncate_to_fp8
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.registry import POLICIES
@@ -84,6 +84,7 @@ def compared(got: list[int], want: dict, what: str) -> int:
     return len(got)
 
 
+@requires_cpu_fp8
 def test_stored_bytes_are_vllms():
     """truncate_to_fp8 stores what vLLM's CPU writer stores, byte for byte,
     over fp8's whole range (subnormals, saturation, infinities, NaN, zeros)."""
@@ -108,6 +109,7 @@ def test_stored_bytes_are_vllms():
         assert not torch.equal(stored, x.to(fp8).view(torch.uint8)), name
 
 
+@requires_cpu_fp8
 def test_every_policy_equals_the_reference_fp8_mode(fp8_engine, reference):
     """One request per policy and one uncompressed, in one batch, each equal
     to the reference decoder caching as vLLM's fp8 writer does; then the same
@@ -143,6 +145,7 @@ def test_every_policy_equals_the_reference_fp8_mode(fp8_engine, reference):
     assert quantisation_matters, f"{dtype}: no answer changes with the cache's rounding"
 
 
+@requires_cpu_fp8
 def test_budget_above_the_need_equals_vanilla_fp8(start_engine, tiny_model, reference, fp8_engine):
     """Budgets above prompt + answer: the plugin's fp8 engine answers as
     vanilla vLLM's fp8 engine (no kv_compress) does: exactly where vLLM's
@@ -181,3 +184,33 @@ def test_fp8_refusals(tiny_model):
         cache_dtype_of([layer], "FLASH_ATTN")
     with pytest.raises(ValueError, match="valid values are auto, fp8, fp8_e4m3, fp8_e5m2"):
         CacheDType("int8")
+
+
+def test_fp8_on_a_cpu_without_avx512_is_refused_by_name(tiny_model, monkeypatch):
+    """Where vLLM's CPU attention cannot hold an fp8 cache (AVX2 without
+    AVX-512 or AMX: its attention raises at the first step), compression on
+    fp8 is refused at startup in one line naming the instruction set; the
+    model's dtype is still served. The CPU's features are what torch reports,
+    made those of an AVX2-only CPU here, so this runs on any machine."""
+    from vllm import LLM
+
+    from vllm_kvcompress.cache_layout import cpu_fp8_unserved
+    from vllm_kvcompress.vllm_seam.engine_args import prepare_engine_args
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert cpu_fp8_unserved() == "vLLM's CPU attention stores fp8 only with AVX-512 or AMX; this CPU has AVX2"
+    for dtype in FP8:
+        with pytest.raises(KVCompressConfigError) as refused:
+            LLM(**engine_kwargs(tiny_model, kv_compress="snapkv", kv_compress_budget=64, kv_cache_dtype=dtype))
+        message = str(refused.value)
+        assert "\n" not in message and f"kv_cache_dtype={dtype} on this CPU" in message
+        assert "AVX-512 or AMX; this CPU has AVX2" in message
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=tiny_model, kv_cache_dtype="auto",
+                      additional_config={"kv_compress": {"policy": "snapkv", "budget": 64}})
+    assert prepare_engine_args(args) is not None  # the model's dtype: served
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
+    assert cpu_fp8_unserved() is None

@@ -23,7 +23,7 @@ import random
 
 import pytest
 
-from helpers import Engine, engine_kwargs
+from helpers import Engine, engine_kwargs, requires_cpu_fp8
 
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 DRAFT_LAYERS = 26
@@ -169,6 +169,7 @@ def test_preempted_and_chunked_speculative_runs(name, smollm2, without_speculati
                                             f"changed the tokens"
 
 
+@requires_cpu_fp8
 def test_speculation_on_an_fp8_cache(smollm2, batch):
     """fp8 x compression x speculation: drafts verified over an fp8 cache keep
     the tokens of the same fp8 compression without speculation, with n-gram

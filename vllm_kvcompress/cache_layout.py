@@ -118,6 +118,20 @@ class CacheDType:
 
 AUTO = CacheDType()
 
+def cpu_fp8_unserved() -> str | None:
+    """Why vLLM's CPU attention cannot hold an fp8 cache on this CPU (None: it can).
+
+    vLLM builds its CPU fp8 cache kernels for AVX-512 and AMX only: on an
+    AVX2-only x86 CPU its attention raises at the first step (vLLM 0.32's
+    `cpu_attn._get_attn_isa`, or the C++ dispatch for 16-token blocks). The
+    same test as vLLM's, so that compression is refused at startup by name
+    instead. Names the instruction set torch found (AVX2, DEFAULT, ...)."""
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        return None
+    found = torch.backends.cpu.get_cpu_capability()
+    return f"vLLM's CPU attention stores fp8 only with AVX-512 or AMX; this CPU has {found}"
+
+
 # kv_cache_dtype values served with compression, per attention backend: fp8
 # where vLLM's rounding is checked (truncate_to_fp8 against the CPU writer).
 CACHE_DTYPES: dict[str, tuple[str, ...]] = {"CPU_ATTN": ("auto", *FP8_FORMATS), "FLASH_ATTN": ("auto",)}

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..budgets import ALLOCATIONS
-from ..cache_layout import CACHE_DTYPES
+from ..cache_layout import CACHE_DTYPES, FP8_FORMATS, cpu_fp8_unserved
 from ..config import (
     CONFIG_KEY,
     FIELD_ALIASES,
@@ -265,6 +265,8 @@ def _check_cache_dtype(name: str | None) -> None:
     if name not in (None, *valid):
         raise _refuse(f"kv_cache_dtype={name} (valid with compression here: {', '.join(valid)}; "
                       f"fp8 is checked on the CPU engine only)")
+    if name in FP8_FORMATS and current_platform.is_cpu() and (why := cpu_fp8_unserved()) is not None:
+        raise _refuse(f"kv_cache_dtype={name} on this CPU ({why})")
 
 
 def prepare_platform(args, config: KVCompressConfig) -> None:
