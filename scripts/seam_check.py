@@ -39,11 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from vllm_kvcompress.vllm_seam import patches, relied_on  # noqa: E402
+from vllm_kvcompress.vllm_seam import patches, relied_on, versions  # noqa: E402
 
 DEFAULT_WHEELS = os.environ.get("VLLM_KVCOMPRESS_WHEELS", "/work/vllm-wheels")
 CACHE_WHEELS = Path.home() / ".cache" / "vllm_kvcompress" / "wheels"
-BASELINE_MINOR = patches.TESTED[0]
+BASELINE_MINOR = versions.TESTED[0]
 
 # ---------------------------------------------------------------- sources
 
@@ -635,9 +635,9 @@ def check(tree: Tree, baseline: Tree | None, minor: str | None = None,
           patch_rows: Iterable[patches.Patch] | None = None,
           relied_rows: Iterable[relied_on.Relied] | None = None) -> Report:
     """Every row whose versions include this tree's minor version, resolved and compared with `baseline`."""
-    minor = minor or patches.minor_of(tree.version) or "unknown"
+    minor = minor or versions.minor_of(tree.version) or "unknown"
     report = Report(tree.source.label, tree.version, minor)
-    known = sorted(patches.KNOWN, key=_minor_key)
+    known = sorted(versions.KNOWN, key=_minor_key)
     rows_minor = minor
     if minor not in known:
         # A version the seam has no rows for: the rows of the nearest known version.

@@ -20,8 +20,8 @@ BAD_FLAGS = [
     (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--kv-compress-interval", "100000000000"],
      "kv_compress.interval: 100000000000 is out of range"),
 ]
-# Refused once the engine config is known (engine_args.prepare_engine_args,
-# check_model), read as argument errors by `vllm serve` (engine_args.wrap_serve_cmd):
+# Refused once the engine config is known (engine_checks.prepare_engine_args,
+# check_model), read as argument errors by `vllm serve` (engine_checks.wrap_serve_cmd):
 # the first also as the real command (in BAD_FLAGS), all three in process below.
 # An EAGLE head (n-gram and draft models are served: test_speculative.py); "{model}": the tiny model.
 SPECULATIVE = '{"method": "eagle", "model": "{model}", "num_speculative_tokens": 2}'
@@ -179,7 +179,7 @@ def test_engine_refusals_are_one_line_and_exit_2(tiny_model, args, needle, capsy
     one error line, exit 2, no traceback (the real command: BAD_FLAGS)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from vllm_kvcompress.vllm_seam.engine_args import wrap_serve_cmd
+    from vllm_kvcompress.vllm_seam.engine_checks import wrap_serve_cmd
 
     parsed = serve_parser().parse_args(["--model", tiny_model, "--dtype", "float32", *with_model(tiny_model, args)])
     serve = wrap_serve_cmd(lambda a: AsyncEngineArgs.from_cli_args(a).create_engine_config())

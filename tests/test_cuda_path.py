@@ -188,7 +188,7 @@ def cuda_args(**overrides):
 def test_cuda_serves_layer_groups_with_piecewise_cuda_graphs(on_cuda, policy):
     from vllm.config import CUDAGraphMode
 
-    from vllm_kvcompress.vllm_seam.engine_args import prepare_platform
+    from vllm_kvcompress.vllm_seam.engine_checks import prepare_platform
 
     args = cuda_args()
     prepare_platform(args, KVCompressConfig.from_dict(policy))  # per-layer groups no longer refused
@@ -204,7 +204,7 @@ def test_cuda_refuses_what_would_capture_attention(on_cuda):
     from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
     from vllm_kvcompress.config import KVCompressConfigError
-    from vllm_kvcompress.vllm_seam.engine_args import check_cuda_graphs, prepare_platform
+    from vllm_kvcompress.vllm_seam.engine_checks import check_cuda_graphs, prepare_platform
 
     with pytest.raises(KVCompressConfigError, match="attention backend TRITON_ATTN"):
         prepare_platform(cuda_args(attention_backend="TRITON_ATTN"), KVCompressConfig())

@@ -44,7 +44,7 @@ def test_unsupported_features_are_fine_without_compression(tiny_model):
     """The checks only apply when kv_compress is configured."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_kvcompress.vllm_seam.engine_args import prepare_engine_args
+    from vllm_kvcompress.vllm_seam.engine_checks import prepare_engine_args
 
     args = EngineArgs(model=tiny_model, tensor_parallel_size=2, enable_prefix_caching=True)
     assert prepare_engine_args(args) is None and args.enable_prefix_caching

@@ -195,7 +195,7 @@ def test_fp8_on_a_cpu_without_avx512_is_refused_by_name(tiny_model, monkeypatch)
     from vllm import LLM
 
     from vllm_kvcompress.cache_layout import cpu_fp8_unserved
-    from vllm_kvcompress.vllm_seam.engine_args import prepare_engine_args
+    from vllm_kvcompress.vllm_seam.engine_checks import prepare_engine_args
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)

@@ -36,7 +36,7 @@ from vllm_kvcompress.merge import MERGES
 from vllm_kvcompress.scorers import SCORERS
 from vllm_kvcompress.selection import SELECTIONS
 from vllm_kvcompress.triggers import TRIGGERS
-from vllm_kvcompress.vllm_seam.engine_args import boolean_setting, wrap_openai_handler
+from vllm_kvcompress.vllm_seam.request_checks import boolean_setting, wrap_openai_handler
 from vllm_kvcompress.vllm_seam.worker import FAULT_ENV
 
 TIMEOUT = 120
@@ -224,11 +224,12 @@ def test_every_route_that_takes_vllm_xargs_checks_them():
     """Each of vLLM's routes whose request carries vllm_xargs calls a handler
     that the seam wraps with the boolean and near-miss check, for the installed
     vLLM; a new route (or a handler moved) fails here until the seam has its row."""
-    from vllm_kvcompress.vllm_seam.patches import PATCHES, installed_vllm_version, minor_of
+    from vllm_kvcompress.vllm_seam.patches import PATCHES
+    from vllm_kvcompress.vllm_seam.versions import installed_vllm_version, minor_of
 
     minor = minor_of(installed_vllm_version())
     wrapped = {(p.module, p.owner, p.attr) for p in PATCHES
-               if p.make == "engine_args.wrap_openai_handler" and p.applies_to(minor)}
+               if p.make == "request_checks.wrap_openai_handler" and p.applies_to(minor)}
     routes = _xargs_routes()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"} <= set(routes), routes
     missing = []

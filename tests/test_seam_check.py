@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvcompress.vllm_seam import patches, relied_on
+from vllm_kvcompress.vllm_seam import patches, relied_on, versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,14 +45,14 @@ def test_tables_import_no_vllm():
 
 def test_every_row_covers_a_known_version():
     for row in patches.PATCHES:
-        assert any(row.applies_to(m) for m in patches.KNOWN), row
+        assert any(row.applies_to(m) for m in versions.KNOWN), row
     for relied in relied_on.RELIED_ON:
-        assert any(relied.applies_to(m) for m in patches.KNOWN), relied
+        assert any(relied.applies_to(m) for m in versions.KNOWN), relied
 
 
 def test_installed_vllm_has_every_symbol_unchanged(installed):
     report = seam_check.check(installed, installed)
-    assert report.minor in patches.TESTED
+    assert report.minor in versions.TESTED
     bad = [f"{r.symbol}: {r.status} {r.note}" for r in report.rows if r.status != "ok"]
     assert not bad and not report.problems, "\n".join(bad + report.problems)
     # Every applicable row was checked, and each signature is the baseline's.

@@ -254,20 +254,20 @@ def test_a_draft_model_on_model_runner_v2_is_refused_where_the_seam_has_no_row(r
     from types import SimpleNamespace
 
     from vllm_kvcompress import KVCompressConfigError
-    from vllm_kvcompress.vllm_seam import engine_args
-    from vllm_kvcompress.vllm_seam.patches import Support
+    from vllm_kvcompress.vllm_seam import engine_checks, versions
+    from vllm_kvcompress.vllm_seam.versions import Support
 
     config = SimpleNamespace(speculative_config=SimpleNamespace(method="draft_model"))
     if runner_v2 is not None:
         config.use_v2_model_runner = runner_v2
-    engine_args.check_speculation(config)  # the installed 0.32
-    monkeypatch.setattr(engine_args, "support", lambda: Support("0.34.0", "0.34", serves=True, untested=True))
+    engine_checks.check_speculation(config)  # the installed 0.32
+    monkeypatch.setattr(versions, "support", lambda: Support("0.34.0", "0.34", serves=True, untested=True))
     with pytest.raises(KVCompressConfigError, match="a draft model on Model Runner V2 of vLLM 0.34"):
-        engine_args.check_speculation(config)
-    engine_args.check_speculation(SimpleNamespace(use_v2_model_runner=True,
-                                                  speculative_config=SimpleNamespace(method="ngram")))
+        engine_checks.check_speculation(config)
+    engine_checks.check_speculation(SimpleNamespace(use_v2_model_runner=True,
+                                                    speculative_config=SimpleNamespace(method="ngram")))
     config.use_v2_model_runner = False
-    engine_args.check_speculation(config)  # a V1 runner (0.32-0.33) serves it
+    engine_checks.check_speculation(config)  # a V1 runner (0.32-0.33) serves it
 
 
 def test_mrv2_draft_slots_and_lengths_are_physical():
@@ -394,7 +394,7 @@ def test_parallel_drafting_is_refused():
     from types import SimpleNamespace
 
     from vllm_kvcompress import KVCompressConfigError
-    from vllm_kvcompress.vllm_seam.engine_args import check_speculation
+    from vllm_kvcompress.vllm_seam.engine_checks import check_speculation
 
     config = SimpleNamespace(use_v2_model_runner=False,
                              speculative_config=SimpleNamespace(method="draft_model", parallel_drafting=True))

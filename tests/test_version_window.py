@@ -29,6 +29,8 @@ FAKE = Path(__file__).parent / "fake_vllm_version"
 PROMPTS = random_prompts((120, 33), seed=7)
 OUTSIDE = "0.35.0"  # a vLLM the plugin has no rows for
 UNTESTED = "0.34.0"  # rows written from its sources, served only when opted in
+# A vLLM module the seam imports (attention.py) that vLLM's CPU engine never does.
+BROKEN = "vllm.v1.attention.backends.flash_attn"
 
 
 def fake_env(version: str, **extra: str) -> dict[str, str]:
@@ -72,6 +74,10 @@ def runs(tiny_model, tmp_path_factory):
             "mismatch_serve_compress": pool.submit(serve_refusal, tiny_model,
                                                    fake_env(UNTESTED, VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM="1")),
             "outside_server": pool.submit(Server, tiny_model, log=log, env=fake_env(OUTSIDE)),
+            # The installed 0.32, but a module the seam imports does not import.
+            "broken_seam": pool.submit(generate, tiny_model, fake_env("", KVC_FAKE_VLLM_BROKEN=BROKEN)),
+            "broken_seam_serve_compress": pool.submit(serve_refusal, tiny_model,
+                                                      fake_env("", KVC_FAKE_VLLM_BROKEN=BROKEN)),
         }
         yield {name: job for name, job in jobs.items()}
         server = jobs["outside_server"]
@@ -85,6 +91,22 @@ def test_outside_the_window_vllm_runs_as_without_the_plugin(runs):
     warnings = [ln for ln in outside.stdout.splitlines() + outside.stderr.splitlines()
                 if "vllm-kvcompress is inactive" in ln]
     assert len(warnings) == 1 and OUTSIDE in warnings[0] and "0.32" in warnings[0], warnings
+
+
+def test_a_seam_that_does_not_import_leaves_vllm_untouched(runs):
+    """Whatever fails while the seam installs (here a vLLM module it imports
+    raises ImportError), vLLM runs exactly as without the plugin: the same
+    tokens, no row installed, one warning naming the failure; asking for
+    compression is then vLLM's own unknown-argument error (exit 2)."""
+    out = runs["broken_seam"].result()
+    assert tokens_of(out) == tokens_of(runs["without_plugin"].result())
+    result = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    assert result["installed"] == 0
+    warnings = [ln for ln in out.stdout.splitlines() + out.stderr.splitlines() if "vllm-kvcompress is inactive" in ln]
+    assert len(warnings) == 1 and "nothing was installed" in warnings[0] and BROKEN in warnings[0], warnings
+    serve = runs["broken_seam_serve_compress"].result()
+    assert serve.returncode == 2, serve.stderr[-3000:]
+    assert "unrecognized arguments: --kv-compress snapkv" in serve.stderr and "Traceback" not in serve.stderr
 
 
 def test_outside_the_window_a_server_serves_as_without_the_plugin(runs):
@@ -162,10 +184,22 @@ def test_a_row_whose_target_is_missing_raises_by_name_and_installs_nothing(targe
         patches.apply([dataclasses.replace(row("present"), module="kvc_fake_vllm_nowhere")])
 
 
-def test_every_row_of_the_installed_version_applies():
+def test_rows_install_all_or_nothing(target_module):
+    """A row whose seam module does not import (its vLLM imports fail on
+    another vLLM) raises before any row of the call is installed."""
     from vllm_kvcompress.vllm_seam import patches
 
-    served = patches.support()
+    broken = dataclasses.replace(row("present"), attr="present", make="kvc_no_such_seam_module.wrap")
+    with pytest.raises(ImportError, match="kvc_no_such_seam_module"):
+        patches.apply([row("present"), broken])
+    assert target_module.Runner().present() == "original"
+    assert ("kvc_fake_vllm_target", "Runner", "present") not in patches._installed
+
+
+def test_every_row_of_the_installed_version_applies():
+    from vllm_kvcompress.vllm_seam import patches, versions
+
+    served = versions.support()
     assert served.serves and not served.untested and served.minor == "0.32"
     rows = patches.rows_for("0.32")
     assert {p.module for p in rows} >= {"vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner",
@@ -173,7 +207,7 @@ def test_every_row_of_the_installed_version_applies():
     assert not any(p.module == "vllm.v1.core.kv_cache_planning" for p in rows)
     assert not any(p.module == "vllm.v1.worker.gpu_model_runner" for p in patches.rows_for("0.34"))
     for p in rows:
-        if (p.module, p.owner, p.attr) in patches._applied:  # another test's engine installed it
+        if (p.module, p.owner, p.attr) in patches._installed:  # another test's engine installed it
             owner = importlib.import_module(p.module)
             owner = getattr(owner, p.owner) if p.owner else owner
             assert p.attr in owner.__dict__, p.symbol
@@ -186,10 +220,10 @@ def test_every_row_of_the_installed_version_applies():
     ("0.35.0", False, True), ("0.31.2", False, True), ("dev", False, True),
 ])
 def test_the_window(version, serves, untested, monkeypatch):
-    from vllm_kvcompress.vllm_seam import patches
+    from vllm_kvcompress.vllm_seam import versions
 
-    monkeypatch.delenv(patches.ALLOW_UNTESTED_ENV, raising=False)
-    served = patches.support(version)
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV, raising=False)
+    served = versions.support(version)
     assert (served.serves, served.untested) == (serves, untested)
-    monkeypatch.setenv(patches.ALLOW_UNTESTED_ENV, "1")
-    assert patches.support(version).serves == (serves or patches.minor_of(version) in patches.UNTESTED)
+    monkeypatch.setenv(versions.ALLOW_UNTESTED_ENV, "1")
+    assert versions.support(version).serves == (serves or versions.minor_of(version) in versions.UNTESTED)

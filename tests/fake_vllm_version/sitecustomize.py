@@ -1,9 +1,12 @@
-"""Test-only: report vLLM's version as $KVC_FAKE_VLLM_VERSION in this process
-and every process it starts (on PYTHONPATH, Python imports this at start-up).
+"""Test-only: a fake vLLM in this process and every process it starts (on
+PYTHONPATH, Python imports this at start-up).
 
 tests/test_version_window.py runs vLLM with the plugin installed as if vLLM
-were another version: `vllm.version.__version__` (which `vllm.__version__`
-copies) is replaced as soon as vLLM defines it, before any plugin loads.
+were another version, or one whose modules the seam imports do not import:
+- $KVC_FAKE_VLLM_VERSION: `vllm.version.__version__` (which `vllm.__version__`
+  copies) is replaced as soon as vLLM defines it, before any plugin loads;
+- $KVC_FAKE_VLLM_BROKEN: comma-separated vLLM modules whose import raises
+  ImportError (as a module of another vLLM build might).
 """
 
 import importlib.abc
@@ -12,6 +15,7 @@ import os
 import sys
 
 FAKE = os.environ.get("KVC_FAKE_VLLM_VERSION")
+BROKEN = [name for name in os.environ.get("KVC_FAKE_VLLM_BROKEN", "").split(",") if name]
 
 
 class _FakeVersion(importlib.abc.MetaPathFinder):
@@ -34,3 +38,14 @@ class _FakeVersion(importlib.abc.MetaPathFinder):
 
 if FAKE:
     sys.meta_path.insert(0, _FakeVersion())
+
+
+class _Broken(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name in BROKEN:
+            raise ImportError(f"{name}: broken in this fake vLLM (KVC_FAKE_VLLM_BROKEN)", name=name)
+        return None
+
+
+if BROKEN:
+    sys.meta_path.insert(0, _Broken())

@@ -26,4 +26,7 @@ if __name__ == "__main__":
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "stats": stats,
         "imported_plugin": "vllm_kvcompress" in sys.modules,
+        # seam rows installed in this process (the engine core runs here)
+        "installed": (len(sys.modules["vllm_kvcompress.vllm_seam.patches"]._installed)
+                      if "vllm_kvcompress.vllm_seam.patches" in sys.modules else None),
     }))

