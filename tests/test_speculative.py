@@ -278,7 +278,8 @@ def test_mrv2_draft_slots_and_lengths_are_physical():
 
     import torch
 
-    from vllm_kvcompress.vllm_seam.worker.speculation import DraftSlots, PhysicalDraftTables, draft_metadata
+    from vllm_kvcompress.vllm_seam.worker.runner_view import PhysicalDraftTables
+    from vllm_kvcompress.vllm_seam.worker.speculation import DraftSlots, draft_metadata
 
     bs = 4
     gathered = torch.tensor([[7, 3, 9, 0], [5, 6, 0, 0]])  # the step's rows (physical)

@@ -294,7 +294,7 @@ attribute | {_MRV2}.speculator | 0.32-0.33 | MRV2: the draft model's speculator,
 attribute | vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.attn_groups | 0.32-0.33
     | MRV2 draft: its own attention groups, physical lengths
 attribute | vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator.block_tables | 0.32-0.33
-    | MRV2 draft: seen through speculation.PhysicalDraftTables while it proposes
+    | MRV2 draft: seen through runner_view.PhysicalDraftTables while it proposes
 method | vllm.v1.worker.gpu.block_table:BlockTables.compute_slot_mappings | 0.32-0.33
     | MRV2 draft: (idx_mapping, query_start_loc, positions, ...) -> [groups, tokens], made physical
 attribute | vllm.v1.worker.gpu.block_table:BlockTables.input_block_tables | 0.32-0.33

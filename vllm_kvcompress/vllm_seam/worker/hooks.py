@@ -14,8 +14,8 @@ import torch
 
 from ...config import CONFIG_KEY
 from ...step_records import WorkerReport, attach_report
-from .runner_view import MRV2View, V1View
-from .speculation import PhysicalDraftTables, draft_metadata, physical_draft_slots
+from .runner_view import PhysicalDraftTables
+from .speculation import draft_metadata, physical_draft_slots
 from .startup import wrap_determine_available_memory as wrap_determine_available_memory
 from .state import DRAFT_GROUP_KEY, WORKER_KEY, WorkerCompression, attach, attached
 from .step_inputs import prepare_inputs
@@ -97,7 +97,7 @@ def wrap_prepare_inputs(original):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
         result = original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
         kvc = _compression(self)
-        if kvc is not None and isinstance(kvc.runner, V1View):
+        if kvc is not None:
             prepare_inputs(kvc, kvc.runner.step_batch(num_scheduled_tokens))
         return result
 
@@ -128,8 +128,8 @@ def wrap_prepare_attn(original):
     def prepare_attn(self, input_batch, *args, **kwargs):
         block_tables, slot_mappings = original(self, input_batch, *args, **kwargs)
         kvc = _compression(self)
-        if kvc is not None and isinstance(kvc.runner, MRV2View):
-            prepare_inputs(kvc, kvc.runner.step_batch_of(input_batch, block_tables, slot_mappings))
+        if kvc is not None:
+            prepare_inputs(kvc, kvc.runner.step_batch(input_batch, block_tables, slot_mappings))
         return block_tables, slot_mappings
 
     return prepare_attn

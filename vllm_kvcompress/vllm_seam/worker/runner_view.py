@@ -11,20 +11,23 @@ vLLM 0.32 has two model runners, and 0.34 only the second:
       also reads ("still prefilling" while seq_len < prefill length).
 
 Everything above this module (compaction, the step's passes, metadata edits,
-the attention backends) works on what a view gives: a request's host block
-ids per vLLM KV cache group, a way to refill a table row after compaction,
-the step's batch, where physical slots go, and how per-group lengths reach
-the metadata. Docs: docs/internals.md (Model runners).
+the attention backends, the hooks) works on a `RunnerView`: a request's host
+block ids per vLLM KV cache group, a way to refill a table row after
+compaction, the step's batch, where physical slots go, how per-group lengths
+reach the metadata, and where a draft model proposes. Nothing above asks
+which runner it has. Docs: docs/internals.md (Model runners).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from ...host_reads import upload
+from .speculation import DraftSlots, physical_draft_slots
 
 MRV2_MODULE = "vllm.v1.worker.gpu.model_runner"
 
@@ -42,6 +45,50 @@ class StepBatch:
     # and its slot-mapping rows [groups, N(padded)], both vLLM's persistent buffers.
     block_tables: tuple[torch.Tensor, ...] = ()
     slot_mappings: torch.Tensor | None = None
+
+
+class RunnerView(Protocol):
+    """What the plugin's worker needs of a model runner; V1View and MRV2View implement it."""
+
+    # Whether the runner's shared seq_lens take group 0's physical lengths in
+    # place (V1: only attention reads them) or stay logical (MRV2: the sampler reads them).
+    seq_lens_in_place: bool
+
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block ids per vLLM KV cache group (mutable: compaction truncates them)."""
+        ...
+
+    def refill_row(self, request_id: str, vllm_group: int, ids: list[int], first_changed: int) -> None:
+        """The request's row of this group's block table is now `ids` (from `first_changed` on new)."""
+        ...
+
+    def kernel_block_size(self, vllm_group: int) -> int: ...
+
+    def begin_step(self, scheduler_output: Any) -> None:
+        """Before compaction."""
+        ...
+
+    def after_compaction(self, scheduler_output: Any) -> None:
+        """After compaction, before vLLM appends the step's new block ids."""
+        ...
+
+    def step_batch(self, *inputs: Any) -> StepBatch:
+        """The step's batch, from what the runner's input hook was given and returned."""
+        ...
+
+    def write_physical_slots(self, step: StepBatch, vllm_group: int, physical: torch.Tensor) -> None:
+        """This group's slot mapping for the step's tokens at `physical` positions (on the device)."""
+        ...
+
+    def seq_len_deltas(self, offsets: np.ndarray) -> dict[int, torch.Tensor]:
+        """Per-request physical offsets [R, vLLM groups] -> what the metadata edits subtract per group."""
+        ...
+
+    def draft_proposer(self) -> tuple[Any, list[Any]]:
+        """The runner's draft-model proposer and the attention groups of its
+        own that need physical lengths (V1's draft reads the target's group-0
+        metadata: none)."""
+        ...
 
 
 class V1View:
@@ -70,7 +117,9 @@ class V1View:
     def kernel_block_size(self, vllm_group: int) -> int:
         return self.runner.input_batch.block_table[vllm_group].block_size
 
-    def step_batch(self, num_scheduled_tokens: np.ndarray) -> StepBatch:
+    def step_batch(self, *inputs: Any) -> StepBatch:
+        """From `_prepare_inputs(scheduler_output, num_scheduled_tokens)`: its second argument."""
+        (num_scheduled_tokens,) = inputs
         runner, batch = self.runner, self.runner.input_batch
         num_reqs = batch.num_reqs
         total = int(num_scheduled_tokens.sum())
@@ -99,6 +148,9 @@ class V1View:
 
     def after_compaction(self, scheduler_output) -> None:
         """After compaction, before vLLM appends the step's new block ids."""
+
+    def draft_proposer(self) -> tuple[Any, list[Any]]:
+        return self.runner.drafter, []
 
 
 class MRV2View:
@@ -150,7 +202,9 @@ class MRV2View:
             for row, ids in zip(held, new_ids):
                 row.extend(ids)
 
-    def step_batch_of(self, input_batch, block_tables, slot_mappings) -> StepBatch:
+    def step_batch(self, *inputs: Any) -> StepBatch:
+        """From `prepare_attn(input_batch)` and the (block tables, slot mappings) it returned."""
+        input_batch, block_tables, slot_mappings = inputs
         num_reqs = input_batch.num_reqs
         return StepBatch(list(input_batch.req_ids[:num_reqs]), input_batch.num_scheduled_tokens[:num_reqs],
                          input_batch.num_computed_tokens_np[:num_reqs], input_batch.positions[: input_batch.num_tokens],
@@ -171,8 +225,45 @@ class MRV2View:
         return {g: torch.from_numpy(offsets[:, g]).to(torch.int32)
                 for g in range(offsets.shape[1]) if offsets[:, g].any()}
 
+    def draft_proposer(self) -> tuple[Any, list[Any]]:
+        speculator = self.runner.speculator
+        return speculator, [g for groups in speculator.attn_groups for g in groups]
 
-RunnerView = V1View | MRV2View
+
+# MRV2's draft-model speculator (vLLM 0.32's StandaloneARSpeculator) runs the
+# draft after the step's sampling: once over the step's tokens, the correction
+# token and the rejected slots, then one token a step. Its slot mappings come
+# from the runner's BlockTables at logical positions, and its attention
+# metadata's seq_lens are logical too. While it proposes, it sees the tables
+# through `PhysicalDraftTables` (slots made physical in place, in the
+# buffers its metadata and its KV writes read), and its attention groups'
+# metadata is edited by `speculation.draft_metadata` (physical lengths).
+
+
+class PhysicalDraftTables:
+    """vLLM's MRV2 BlockTables as the draft's speculator sees them while it
+    proposes: every slot mapping it computes is made physical in vLLM group 0
+    (where the draft's layers are), in the buffer vLLM returns."""
+
+    def __init__(self, tables: Any, slots: DraftSlots, block_size: int) -> None:
+        self._tables, self._slots, self._block_size = tables, slots, block_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tables, name)
+
+    def compute_slot_mappings(self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                              positions: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self._tables.compute_slot_mappings(idx_mapping, query_start_loc, positions, *args, **kwargs)
+        n = min(positions.shape[0], out.shape[1])
+        num_reqs = len(self._slots.evicted)
+        # Batch row of each token: the step's rows, in the target's order.
+        tokens = torch.arange(n, device=positions.device)
+        request_of = torch.searchsorted(query_start_loc[1:num_reqs + 1].contiguous().to(torch.int64), tokens,
+                                        right=True).clamp_(max=num_reqs - 1)
+        table = self._tables.input_block_tables[0]
+        out[0, :n] = physical_draft_slots(self._slots, positions[:n], request_of, table, self._block_size,
+                                          out[0, :n])
+        return out
 
 
 def view_of(runner) -> RunnerView:

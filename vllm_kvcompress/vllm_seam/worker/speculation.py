@@ -145,42 +145,7 @@ def physical_draft_slots(slots: DraftSlots, positions: torch.Tensor, request_of:
     return torch.where(inside, blocks * block_size + physical % block_size, -1).to(vllm_slots.dtype)
 
 
-# ---------------------------------------------------------------- Model Runner V2
-#
-# MRV2's draft-model speculator (vLLM 0.32's StandaloneARSpeculator) runs the
-# draft after the step's sampling: once over the step's tokens, the correction
-# token and the rejected slots, then one token a step. Its slot mappings come
-# from the runner's BlockTables at logical positions, and its attention
-# metadata's seq_lens are logical too. While it proposes, it sees the tables
-# through `PhysicalDraftTables` (slots made physical in place, in the
-# buffers its metadata and its KV writes read), and its attention groups'
-# metadata is edited by `draft_metadata` (physical lengths).
-
-
-class PhysicalDraftTables:
-    """vLLM's MRV2 BlockTables as the draft's speculator sees them while it
-    proposes: every slot mapping it computes is made physical in vLLM group 0
-    (where the draft's layers are), in the buffer vLLM returns."""
-
-    def __init__(self, tables: Any, slots: DraftSlots, block_size: int) -> None:
-        self._tables, self._slots, self._block_size = tables, slots, block_size
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._tables, name)
-
-    def compute_slot_mappings(self, idx_mapping: torch.Tensor, query_start_loc: torch.Tensor,
-                              positions: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = self._tables.compute_slot_mappings(idx_mapping, query_start_loc, positions, *args, **kwargs)
-        n = min(positions.shape[0], out.shape[1])
-        num_reqs = len(self._slots.evicted)
-        # Batch row of each token: the step's rows, in the target's order.
-        tokens = torch.arange(n, device=positions.device)
-        request_of = torch.searchsorted(query_start_loc[1:num_reqs + 1].contiguous().to(torch.int64), tokens,
-                                        right=True).clamp_(max=num_reqs - 1)
-        table = self._tables.input_block_tables[0]
-        out[0, :n] = physical_draft_slots(self._slots, positions[:n], request_of, table, self._block_size,
-                                          out[0, :n])
-        return out
+# ---------------------------------------------------------------- Model Runner V2's draft metadata
 
 
 def draft_metadata(cm: Any, slots: DraftSlots) -> Any:

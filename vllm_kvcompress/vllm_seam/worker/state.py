@@ -34,7 +34,7 @@ from ..metrics import SnapshotWriter
 from .attention_passes import StepPasses
 from .compaction import FAULT_ENV, compact_requests
 from .heap import HeapTrimmer
-from .runner_view import MRV2View, RunnerView, view_of
+from .runner_view import RunnerView, view_of
 from .speculation import DraftLayer, DraftSlots, draft_layers, settle_requests
 from .startup import CACHE_WRITERS, cache_dtype_of, check_layout, check_scoring_exact, tensor_parallel_shard
 from .step_inputs import MetadataEdits
@@ -102,10 +102,9 @@ class WorkerCompression:
             # Its slot mappings (hooks.wrap_draft_*): V1's proposer, or MRV2's
             # speculator, whose own attention groups get physical lengths.
             # (V1's draft reads the target's group-0 metadata: nothing to mark.)
-            mrv2 = isinstance(view, MRV2View)
-            proposer = runner.speculator if mrv2 else runner.drafter
+            proposer, draft_groups = view.draft_proposer()
             attach(proposer, self)
-            for attention_group in (g for groups in (proposer.attn_groups if mrv2 else ()) for g in groups):
+            for attention_group in draft_groups:
                 attach(attention_group, self)
                 attention_group.__dict__[DRAFT_GROUP_KEY] = True
         logger.info("kv_compress worker ready (pid %d, tensor-parallel rank %d of %d): %s, %d layers, block %d, "
