@@ -44,6 +44,8 @@ from vllm_kvcompress.vllm_seam import patches, relied_on, versions  # noqa: E402
 DEFAULT_WHEELS = os.environ.get("VLLM_KVCOMPRESS_WHEELS", "/work/vllm-wheels")
 CACHE_WHEELS = Path.home() / ".cache" / "vllm_kvcompress" / "wheels"
 BASELINE_MINOR = versions.TESTED[0]
+# The baseline's signatures, recorded (`--write-baseline`); `--baseline recorded` compares with them.
+BASELINE_FILE = ROOT / "scripts" / "seam_baseline.json"
 
 # ---------------------------------------------------------------- sources
 
@@ -598,9 +600,40 @@ def _hint(tree: Tree, target: str) -> str:
     return f"; found elsewhere: {', '.join(hits)}" if hits else "; not found elsewhere in this tree"
 
 
-def _baseline_sig(baseline: Tree | None, target: str, kind: str, patch: bool) -> str | None:
+@dataclass
+class Recorded:
+    """Signatures recorded from the baseline vLLM (`BASELINE_FILE`, written by
+    --write-baseline): what an installed vLLM is compared with when the
+    baseline's own files are not at hand (the 0.34 leg), and what a
+    reinstalled 0.32 must still match."""
+
+    version: str
+    signatures: dict[str, str | None]
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> Recorded:
+        data = json.loads((path or BASELINE_FILE).read_text())
+        return cls(data["vllm"], data["signatures"])
+
+
+def record(baseline: Tree) -> Recorded:
+    """Every row's baseline signature (functions and methods, every known version's rows)."""
+    signatures: dict[str, str | None] = {}
+    rows = [p for p in patches.PATCHES if p.kind != "added"]
+    relied = list(relied_on.RELIED_ON) + [r for m in versions.KNOWN for r in wrapper_needs(patches.PATCHES, m)]
+    for p in rows:
+        signatures[_patch_target(p)] = _baseline_sig(baseline, _patch_target(p), patch=True)
+    for r in relied:
+        if r.kind in ("function", "method"):
+            signatures[r.target] = _baseline_sig(baseline, r.target, patch=False)
+    return Recorded(baseline.version, dict(sorted(signatures.items())))
+
+
+def _baseline_sig(baseline: Tree | Recorded | None, target: str, patch: bool) -> str | None:
     if baseline is None:
         return None
+    if isinstance(baseline, Recorded):
+        return baseline.signatures.get(target)
     if patch:
         found, _ = baseline.resolve(target, inherit=False)
     else:
@@ -631,7 +664,7 @@ def _note(r: Row) -> str:
     return "; ".join(filter(None, [where, r.signature or "", r.note]))
 
 
-def check(tree: Tree, baseline: Tree | None, minor: str | None = None,
+def check(tree: Tree, baseline: Tree | Recorded | None, minor: str | None = None,
           patch_rows: Iterable[patches.Patch] | None = None,
           relied_rows: Iterable[relied_on.Relied] | None = None) -> Report:
     """Every row whose versions include this tree's minor version, resolved and compared with `baseline`."""
@@ -654,7 +687,7 @@ def check(tree: Tree, baseline: Tree | None, minor: str | None = None,
         target = _patch_target(p)
         status, found, note = check_patch(tree, p)
         sig = signature(found) if p.kind != "added" else None
-        base = _baseline_sig(baseline, target, p.kind, patch=True) if p.kind != "added" else None
+        base = _baseline_sig(baseline, target, patch=True) if p.kind != "added" else None
         row = Row(p.symbol, "patch", p.kind, p.versions, status, _where(found), sig, base, note)
         if not p.applies_to(rows_minor):
             row.note = _outside_note(tree, target, found)
@@ -669,7 +702,7 @@ def check(tree: Tree, baseline: Tree | None, minor: str | None = None,
             report.problems.append(f"relied-on row {r.symbol} [{r.versions}] applies to no known version")
         status, found, note = check_relied(tree, r)
         sig = signature(found) if r.kind in ("function", "method") else None
-        base = _baseline_sig(baseline, r.target, r.kind, patch=False) if r.kind in ("function", "method") else None
+        base = _baseline_sig(baseline, r.target, patch=False) if r.kind in ("function", "method") else None
         row = Row(r.symbol, "relied", r.kind, r.versions, status, _where(found), sig, base, note)
         if not r.applies_to(rows_minor):
             row.note = _outside_note(tree, r.alternatives[0], found)
@@ -757,22 +790,39 @@ def main(argv: list[str] | None = None) -> int:
                         help="'installed' (default), a vLLM version (0.34.0), a .whl or a source folder")
     parser.add_argument("--wheels", default=DEFAULT_WHEELS, help=f"folder of vllm-*.whl (default {DEFAULT_WHEELS})")
     parser.add_argument("--baseline", default="installed",
-                        help="the tree signatures are compared with: 'installed' (default; the 0.32.0 wheel "
+                        help="the tree signatures are compared with: 'recorded' (the baseline's, from "
+                             f"{BASELINE_FILE.name}), 'installed' (default; the 0.32.0 wheel "
                              "when vLLM is not installed), a version, a .whl or a folder")
     parser.add_argument("--json", action="store_true", help="JSON instead of Markdown")
+    parser.add_argument("--write-baseline", action="store_true",
+                        help=f"record the baseline's signatures in {BASELINE_FILE.relative_to(ROOT)} and exit")
     args = parser.parse_args(argv)
 
     if "vllm" in sys.modules:  # patches/relied_on must not import vLLM
         print("seam_check: importing the seam tables imported vLLM", file=sys.stderr)
         return 1
-    base_source = installed_source() if args.baseline == "installed" else source_for(args.baseline, args.wheels)
-    if base_source is None:
-        base_source = wheel_source(f"{BASELINE_MINOR}.0", args.wheels)
-    baseline = Tree(base_source)
+    baseline: Tree | Recorded
+    if args.baseline == "recorded":
+        baseline = Recorded.load()
+    else:
+        base_source = installed_source() if args.baseline == "installed" else source_for(args.baseline, args.wheels)
+        if base_source is None:
+            base_source = wheel_source(f"{BASELINE_MINOR}.0", args.wheels)
+        baseline = Tree(base_source)
+    if args.write_baseline:
+        assert isinstance(baseline, Tree), "--write-baseline records a source tree"
+        recorded = record(baseline)
+        BASELINE_FILE.write_text(json.dumps({"vllm": recorded.version, "signatures": recorded.signatures},
+                                            indent=1) + "\n")
+        print(f"seam_check: {len(recorded.signatures)} signatures of vLLM {recorded.version} -> {BASELINE_FILE}")
+        return 0
     failed = False
     out = []
     for spec in args.versions:
-        tree = baseline if spec == args.baseline else Tree(source_for(spec, args.wheels))
+        if isinstance(baseline, Tree) and spec == args.baseline:
+            tree = baseline
+        else:
+            tree = Tree(source_for(spec, args.wheels))
         report = check(tree, baseline)
         failed |= report.failed
         out.append(report)
@@ -780,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([{**asdict(r), "summary": r.summary(), "failed": r.failed} for r in out], indent=1))
     else:
         print("\n\n".join(markdown(r) for r in out))
-        print(f"\n(baseline: vLLM {baseline.version}, {baseline.source.label}; {time.strftime('%Y-%m-%d')})")
+        label = baseline.source.label if isinstance(baseline, Tree) else BASELINE_FILE.relative_to(ROOT)
+        print(f"\n(baseline: vLLM {baseline.version}, {label}; {time.strftime('%Y-%m-%d')})")
     return 1 if failed else 0
 
 

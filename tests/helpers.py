@@ -33,7 +33,24 @@ def engine_kwargs(model: str, **overrides) -> dict:
         enable_prefix_caching=False,
     )
     kwargs.update(overrides)
+    if not kwargs["enforce_eager"] and _interpreted_jit_warmup():
+        # vLLM 0.34 warms up its Triton kernels unless eager; here Triton's
+        # interpreter runs them (the stub backend), and it cannot run the
+        # top-k/top-p sampler kernel (`tl.range` yields Python ints there).
+        # The tests sample greedily, which never calls that kernel.
+        kwargs["kernel_config"] = {"enable_jit_warmup": False}
     return kwargs
+
+
+def _interpreted_jit_warmup() -> bool:
+    """Whether this vLLM has a JIT kernel warm-up (0.34 on) that Triton's interpreter would run."""
+    import os
+    from importlib.metadata import version
+
+    from vllm_kvcompress.vllm_seam.versions import minor_key, minor_of
+
+    minor = minor_of(version("vllm"))
+    return os.environ.get("TRITON_INTERPRET") == "1" and minor is not None and minor_key(minor) >= (0, 34)
 
 
 class Engine:

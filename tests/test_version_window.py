@@ -28,7 +28,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "generate.py"
 FAKE = Path(__file__).parent / "fake_vllm_version"
 PROMPTS = random_prompts((120, 33), seed=7)
 OUTSIDE = "0.35.0"  # a vLLM the plugin has no rows for
-UNTESTED = "0.34.0"  # rows written from its sources, served only when opted in
+UNTESTED = "0.33.0"  # rows written from its sources, served only when opted in
+# Run on every vLLM leg (scripts/test_vllm034.sh): the installed vLLM is 0.32 or 0.34.
+pytestmark = pytest.mark.versions
 # A vLLM module the seam imports (attention.py) that vLLM's CPU engine never does.
 BROKEN = "vllm.v1.attention.backends.flash_attn"
 
@@ -69,8 +71,8 @@ def runs(tiny_model, tmp_path_factory):
                                                                                    "budget": 64}}),
             "outside_serve_compress": pool.submit(serve_refusal, tiny_model, fake_env(OUTSIDE)),
             "untested_serve_compress": pool.submit(serve_refusal, tiny_model, fake_env(UNTESTED)),
-            # Opted in, but the rows of 0.34 do not match the installed 0.32
-            # (its kv_cache_planning module does not exist): refused by name.
+            # Opted in, but the rows of 0.33 do not match the installed vLLM
+            # (0.32 has no kv_cache_planning module, 0.34 no V1 runner): refused by name.
             "mismatch_serve_compress": pool.submit(serve_refusal, tiny_model,
                                                    fake_env(UNTESTED, VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM="1")),
             "outside_server": pool.submit(Server, tiny_model, log=log, env=fake_env(OUTSIDE)),
@@ -129,9 +131,9 @@ def test_outside_the_window_a_server_serves_as_without_the_plugin(runs):
 
 
 @pytest.mark.parametrize("run, version, needle", [
-    ("outside_serve_compress", OUTSIDE, "vllm-kvcompress supports vLLM 0.32 (tested)"),
+    ("outside_serve_compress", OUTSIDE, "vllm-kvcompress supports vLLM 0.32, 0.34 (tested)"),
     ("untested_serve_compress", UNTESTED, "VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM=1"),
-    ("mismatch_serve_compress", UNTESTED, "vllm.v1.core.kv_cache_planning.get_kv_cache_groups not found"),
+    ("mismatch_serve_compress", UNTESTED, "not found in vLLM"),
 ])
 def test_compression_is_refused_in_one_line(runs, run, version, needle):
     out = runs[run].result()
@@ -200,7 +202,7 @@ def test_every_row_of_the_installed_version_applies():
     from vllm_kvcompress.vllm_seam import patches, versions
 
     served = versions.support()
-    assert served.serves and not served.untested and served.minor == "0.32"
+    assert served.serves and not served.untested and served.minor in versions.TESTED
     rows = patches.rows_for("0.32")
     assert {p.module for p in rows} >= {"vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner",
                                         "vllm.v1.core.kv_cache_utils"}
@@ -216,7 +218,7 @@ def test_every_row_of_the_installed_version_applies():
 
 
 @pytest.mark.parametrize("version, serves, untested", [
-    ("0.32.0", True, False), ("0.32.0+cpu", True, False), ("0.33.1", False, True), ("0.34.0", False, True),
+    ("0.32.0", True, False), ("0.32.0+cpu", True, False), ("0.33.1", False, True), ("0.34.0", True, False),
     ("0.35.0", False, True), ("0.31.2", False, True), ("dev", False, True),
 ])
 def test_the_window(version, serves, untested, monkeypatch):

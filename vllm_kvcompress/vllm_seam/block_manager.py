@@ -47,8 +47,11 @@ class CompressedAttentionSpec(FullAttentionSpec):
 
 
 def compressed_spec(spec: FullAttentionSpec) -> CompressedAttentionSpec:
-    """The same group, managed by CompressedAttentionManager."""
-    return CompressedAttentionSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init})
+    """The same group, managed by CompressedAttentionManager: every init field
+    copied as it is, whichever fields this vLLM's spec has (read from the
+    instance's dict, not as attributes the seam relies on by name)."""
+    fields = vars(spec)
+    return CompressedAttentionSpec(**{f.name: fields[f.name] for f in dataclasses.fields(spec) if f.init})
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,20 @@ attribute | vllm.v1.kv_cache_interface:KVCacheConfig.kv_cache_tensors | 0.32-0.3
 attribute | vllm.v1.kv_cache_interface:KVCacheTensor.size | 0.32-0.34 | bytes per block (stats)
 attribute | {_SCHED}.kv_cache_manager | 0.32-0.34 | block pool, coordinator, managers
 attribute | {_SCHED}.requests | 0.32-0.34 | request by id
+method | {_SCHED}._preempt_request | 0.32-0.34 | called: growth-aware admission preempts as vLLM does
+attribute | {_SCHED}.max_model_len | 0.32-0.34 | a request's growth bound (admission)
+attribute | {_SCHED}.max_num_scheduled_tokens | 0.32-0.34 | a step's token budget (admission)
+attribute | vllm.v1.core.kv_cache_manager:KVCacheManager.watermark_blocks | 0.32-0.34 | admission keeps vLLM's watermark
+attribute | vllm.v1.request:Request.max_tokens | 0.32-0.34 | a request's growth bound (admission)
+attribute | vllm.v1.request:Request.num_tokens | 0.32-0.34 | prompt and output tokens so far
+attribute | vllm.v1.request:Request.status | 0.32-0.34 | preempted or waiting
+attribute | {_SO}:SchedulerOutput.total_num_scheduled_tokens | 0.32-0.34 | the step's size (worker)
+attribute | vllm.v1.kv_cache_interface:KVCacheConfig.kv_cache_groups | 0.32-0.34 | the worker's groups
+attribute | vllm.v1.engine.core:EngineCore.scheduler | 0.32-0.34 | kv_compress_stats reads its scheduler
+attribute | vllm.entrypoints.llm:LLM.llm_engine | 0.32-0.34 | vllm_kvcompress.stats(llm)
+attribute | vllm.v1.engine.llm_engine:LLMEngine.engine_core | 0.32-0.34 | stats(): the core client
+method | vllm.v1.engine.core_client:SyncMPClient.call_utility | 0.32-0.34 | stats(): a spawned core's utility call
+attribute | vllm.v1.engine.core_client:InprocClient.engine_core | 0.32-0.34 | stats(): an in-process core
 attribute | {_SCHED}.running | 0.32-0.34 | idle check for the stats snapshot
 attribute | {_SCHED}.waiting | 0.32-0.34 | idle check for the stats snapshot
 attribute | vllm.v1.core.kv_cache_manager:KVCacheManager.coordinator | 0.32-0.34 | its single_type_managers
@@ -179,6 +193,9 @@ class | vllm.v1.attention.backends.registry:AttentionBackendEnum | 0.32-0.34 | i
 attribute | vllm.v1.attention.backends.registry:AttentionBackendEnum.CPU_ATTN | 0.32-0.34 | our CPU backend
 attribute | vllm.v1.attention.backends.registry:AttentionBackendEnum.FLASH_ATTN | 0.32-0.34 | our CUDA backend
 function | vllm.v1.attention.backends.registry:register_backend | 0.32-0.34 | imported by attention.py
+attribute | {_CM}.query_start_loc | 0.32-0.34 | the step's rows (draft slots, metadata edits)
+attribute | {_CM}.block_table_tensor | 0.32-0.34 | the draft's physical slots
+attribute | {_CM}.slot_mapping | 0.32-0.34 | the draft's first pass, made physical
 attribute | {_CM}.seq_lens | 0.32-0.34 | metadata edits
 attribute | {_CM}.seq_lens_cpu_upper_bound | 0.32-0.34 | metadata edits
 attribute | {_CM}.max_seq_len | 0.32-0.34 | metadata edits
@@ -196,10 +213,14 @@ attribute | {_ATTN}._k_scale | 0.32-0.34 | FLASH_ATTN layout self-test
 attribute | {_ATTN}._v_scale | 0.32-0.34 | FLASH_ATTN layout self-test
 attribute | {_ATTN}._k_scale_float | 0.32-0.34 | fp8 served at scale 1 only; CPU layout self-test
 attribute | {_ATTN}._v_scale_float | 0.32-0.34 | fp8 served at scale 1 only; CPU layout self-test
-attribute | {_CPU}:CPUAttentionMetadataBuilder.isa | 0.32-0.34 | set on each layer too (layer.isa)
+attribute | {_CPU}:CPUAttentionMetadataBuilder.isa or {_ATTN}.isa | 0.32-0.34
+    | CPU layout self-test reads layer.isa: the builder sets its own on each layer (no static member of Attention)
 method | {_CPU}:CPUAttentionBackend.get_name | 0.32-0.34 | the cache layout by backend name
 method | {_FA}:FlashAttentionBackend.get_name | 0.32-0.34 | the cache layout by backend name
 attribute | {_CPU}:CPUAttentionBackendImpl.scale | 0.32-0.34 | the scorers' softmax scale
+attribute | {_CPU}:CPUAttentionBackendImpl.logits_soft_cap | 0.32-0.34 | refused unless none (scores)
+attribute | {_CPU}:CPUAttentionBackendImpl.alibi_slopes | 0.32-0.34 | refused unless none (scores)
+attribute | {_CPU}:CPUAttentionBackendImpl.sinks | 0.32-0.34 | refused unless none (scores)
 attribute | {_CPU}:CPUAttentionBackendImpl.kv_cache_dtype | 0.32-0.34 | auto or fp8 (cache_layout.CacheDType)
 attribute | {_FA}:FlashAttentionImpl.scale | 0.32-0.34 | the scorers' softmax scale
 attribute | {_FA}:FlashAttentionImpl.kv_cache_dtype | 0.32-0.34 | refused unless auto (fp8 unchecked on CUDA)
@@ -212,6 +233,7 @@ function | vllm.distributed:get_tensor_model_parallel_world_size | 0.32-0.34 | i
 function | vllm.distributed:get_tp_group | 0.32-0.34 | imported by worker/startup.py and worker/state.py
 attribute | vllm.distributed.parallel_state:GroupCoordinator.cpu_group | 0.32-0.34 | failed-request gather
 method | vllm.distributed.parallel_state:GroupCoordinator.all_gather | 0.32-0.34 | head shard gather
+attribute | vllm:__version__ | 0.32-0.34 | versions.installed_vllm_version: the window
 attribute | vllm.platforms:current_platform | 0.32-0.34 | imported by patches.py and engine_checks.py
 method | vllm.platforms.interface:Platform.is_cpu | 0.32-0.34 | platform choice
 method | vllm.platforms.interface:Platform.is_cuda | 0.32-0.34 | platform choice
@@ -234,6 +256,18 @@ attribute | vllm.engine.arg_utils:EngineArgs.kv_cache_dtype | 0.32-0.34 | cache_
 attribute | vllm.engine.arg_utils:EngineArgs.attention_backend | 0.32-0.34 | FLASH_ATTN on CUDA
 attribute | vllm.engine.arg_utils:EngineArgs.compilation_config | 0.32-0.34 | piecewise CUDA graphs
 attribute | vllm.engine.arg_utils:EngineArgs.enforce_eager | 0.32-0.34 | piecewise CUDA graphs
+attribute | vllm.config.vllm:VllmConfig.additional_config | 0.32-0.34 | where the config travels
+attribute | vllm.config.vllm:VllmConfig.model_config | 0.32-0.34 | model checks
+attribute | vllm.config.vllm:VllmConfig.cache_config | 0.32-0.34 | kv_sharing_fast_prefill
+attribute | vllm.config.vllm:VllmConfig.parallel_config | 0.32-0.34 | parallelism checks
+attribute | vllm.config.vllm:VllmConfig.device_config | 0.32-0.34 | CUDA graph checks on CUDA
+attribute | vllm.config.device:DeviceConfig.device_type | 0.32-0.34 | CUDA graph checks on CUDA
+attribute | vllm.config.cache:CacheConfig.kv_sharing_fast_prefill | 0.32-0.34 | refused (getattr)
+attribute | vllm.config.parallel:ParallelConfig.decode_context_parallel_size | 0.32-0.34 | refused above 1 (getattr)
+attribute | vllm.config.parallel:ParallelConfig.prefill_context_parallel_size | 0.32-0.34 | refused above 1 (getattr)
+attribute | vllm.config.parallel:ParallelConfig.enable_dbo | 0.32-0.34 | refused (getattr)
+attribute | vllm.config.parallel:ParallelConfig.use_ubatching | 0.32-0.34 | refused (getattr)
+attribute | vllm.config.model:ModelConfig.dtype | 0.32-0.34 | the layout self-test's values
 attribute | vllm.config.model:ModelConfig.hf_text_config | 0.32-0.34 | layer_types
 method | vllm.config.model:ModelConfig.get_sliding_window | 0.32-0.34 | all-sliding models refused
 method | vllm.config.model:ModelConfig.get_num_layers | 0.32-0.34 | layer count
@@ -257,6 +291,7 @@ attribute | {_V1}.input_batch | 0.32-0.33 | V1 view: the persistent batch
 attribute | {_V1}.positions | 0.32-0.33 | V1 view: logical positions
 attribute | {_V1}.seq_lens | 0.32-0.33 | V1 view: group 0's physical lengths in place
 attribute | {_V1}.optimistic_seq_lens_cpu | 0.32-0.33 | V1 view: the host copy, in place
+attribute | vllm.v1.utils:CpuGpuBuffer.gpu | 0.32-0.33 | V1 view: query_start_loc on the device
 attribute | {_V1}.query_start_loc | 0.32-0.33 | V1 view: slot mapping
 attribute | vllm.v1.worker.gpu_input_batch:CachedRequestState.block_ids | 0.32-0.33 | V1 view: truncated in place
 attribute | {_V1_BATCH}.req_id_to_index | 0.32-0.33 | V1 view: a request's table row

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 # vLLM versions (major.minor) the seam has rows for; the tested ones are
 # served by default, the others only with ALLOW_UNTESTED_ENV=1.
-TESTED = ("0.32",)
-UNTESTED = ("0.33", "0.34")
+TESTED = ("0.32", "0.34")
+UNTESTED = ("0.33",)
 KNOWN = (*TESTED, *UNTESTED)
 ALLOW_UNTESTED_ENV = "VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM"
 
