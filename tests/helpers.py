@@ -42,15 +42,21 @@ def engine_kwargs(model: str, **overrides) -> dict:
     return kwargs
 
 
-def _interpreted_jit_warmup() -> bool:
-    """Whether this vLLM has a JIT kernel warm-up (0.34 on) that Triton's interpreter would run."""
-    import os
+def vllm_at_least(minor: str) -> bool:
+    """Whether the installed vLLM is `minor` ("0.34") or newer (read without importing it)."""
     from importlib.metadata import version
 
     from vllm_kvcompress.vllm_seam.versions import minor_key, minor_of
 
-    minor = minor_of(version("vllm"))
-    return os.environ.get("TRITON_INTERPRET") == "1" and minor is not None and minor_key(minor) >= (0, 34)
+    installed = minor_of(version("vllm"))
+    return installed is not None and minor_key(installed) >= minor_key(minor)
+
+
+def _interpreted_jit_warmup() -> bool:
+    """Whether this vLLM has a JIT kernel warm-up (0.34 on) that Triton's interpreter would run."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1" and vllm_at_least("0.34")
 
 
 class Engine:

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from helpers import random_prompts
+from helpers import random_prompts, vllm_at_least
 from server_utils import Server
 
 TIMEOUT = 120
@@ -44,10 +44,17 @@ def server(request, tiny_model, tmp_path_factory):
     (folder / "recipe.yaml").write_text(RECIPE)
     srv = Server(tiny_model, "--kv-compress-config", str(folder / "recipe.yaml"), *FLAGS, "--max-num-seqs", "8",
                  "--enable-prompt-tokens-details", *PARALLEL[request.param], log=folder / "serve.log",
-                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if request.param == "tp2" else None)
+                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if bind_cores(request.param) else None)
     srv.parallel = request.param
     yield srv
     srv.stop()
+
+
+def bind_cores(parallel: str) -> bool:
+    """A core per rank: tensor parallelism on CPU needs it; so does data
+    parallelism from vLLM 0.34 on, whose automatic binding wants a NUMA node
+    per engine (this machine has one)."""
+    return parallel == "tp2" or (parallel == "dp2" and vllm_at_least("0.34"))
 
 
 def complete(server, prompt, **kw):

