@@ -567,6 +567,55 @@ def build_tiny_gemma3(
     return _build_tiny(path, "tiny-gemma3", params, make, force)
 
 
+def build_tiny_phi3(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    num_layers: int = 4,
+    sliding_window: int = 262144,
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 768,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    init_std: float = 0.08,
+    force: bool = False,
+) -> Path:
+    """Build (or return the cached) seeded random Phi-3 at ``path``.
+
+    Phi-4-mini and Phi-3.5-mini declare a ``sliding_window`` (262,144) longer
+    than their context (131,072) on every layer: a window that never slides.
+    Here the window defaults to 262,144 over a 4,096-token context. Head size
+    ``hidden_size / num_heads`` (64 by default). Same seeded init and
+    tokenizer as ``build_tiny_llama``.
+    """
+    params = {
+        "seed": seed,
+        "num_layers": num_layers,
+        "sliding_window": sliding_window,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": hidden_size // num_heads,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "init_std": init_std,
+    }
+
+    def make(tok, common):
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        common = {k: v for k, v in common.items() if k != "head_dim"}  # Phi-3 derives it
+        cfg = Phi3Config(num_hidden_layers=num_layers, sliding_window=sliding_window, rms_norm_eps=1e-5,
+                         original_max_position_embeddings=max_position_embeddings,
+                         architectures=["Phi3ForCausalLM"], **common)
+        return Phi3ForCausalLM(cfg), 1.0
+
+    return _build_tiny(path, "tiny-phi3", params, make, force)
+
+
 def _build_tiny(path: str | Path, kind: str, params: dict[str, Any], make, force: bool) -> Path:
     """Shared by the tiny builders: checks, tokenizer, seeded weights, manifest.
 

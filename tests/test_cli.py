@@ -203,3 +203,74 @@ def test_no_flag_leaves_additional_config_alone(tiny_model):
 
     args = AsyncEngineArgs.from_cli_args(serve_parser().parse_args(["--model", tiny_model]))
     assert "kv_compress" not in (args.additional_config or {})
+
+
+# Model features whose attention the scorers would not reproduce: refused once
+# the engine config is known, before any weight loads (config-only folders).
+FEATURE_CONFIGS = {
+    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=64, intermediate_size=256,
+                                     num_local_experts=4, num_experts_per_tok=2), "GptOssForCausalLM",
+                "attention sinks (gpt_oss: a learned sink logit per head"),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=64, intermediate_size=256), "Gemma2ForCausalLM",
+               "an attention logit soft cap (gemma2 attn_logit_softcapping=50.0"),
+    "falcon": ("FalconConfig", dict(alibi=True), "FalconForCausalLM", "ALiBi slopes (falcon"),
+}
+
+
+@pytest.fixture(scope="module")
+def feature_models(tiny_model, tmp_path_factory) -> dict[str, str]:
+    """A config-only folder per FEATURE_CONFIGS model (the tiny model's tokenizer beside it)."""
+    import shutil
+
+    import transformers
+
+    out = {}
+    for name, (config_cls, extra, arch, _) in FEATURE_CONFIGS.items():
+        folder = tmp_path_factory.mktemp(name)
+        config = getattr(transformers, config_cls)(vocab_size=2048, hidden_size=256, num_hidden_layers=2,
+                                                   num_attention_heads=4, architectures=[arch], **extra)
+        config.save_pretrained(folder)
+        for f in Path(tiny_model).glob("*token*"):
+            shutil.copy(f, folder)
+        out[name] = str(folder)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(FEATURE_CONFIGS))
+def test_model_features_the_scores_miss_are_refused_in_one_line(feature_models, name, capsys):
+    """gpt-oss's sinks, Gemma 2's soft cap, ALiBi: `vllm serve` exits 2 with one
+    line naming the feature, before the engine starts (no traceback)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from vllm_kvcompress.vllm_seam.engine_checks import wrap_serve_cmd
+
+    parsed = serve_parser().parse_args(["--model", feature_models[name], "--dtype", "float32",
+                                        "--kv-compress", "snapkv", "--kv-compress-budget", "64"])
+    serve = wrap_serve_cmd(lambda a: AsyncEngineArgs.from_cli_args(a).create_engine_config())
+    with pytest.raises(SystemExit) as e:
+        serve(parsed)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    needle = f"vllm serve: error: kv_compress cannot be served with {FEATURE_CONFIGS[name][3]}"
+    assert len(errors) == 1 and errors[0].startswith(needle), err
+    # (vLLM's loggers may write to an earlier test's closed capture: "Logging error" tracebacks, not ours.)
+    assert "the scores would not be the model's attention" in errors[0] and "KVCompressConfigError" not in err
+
+
+def test_the_worker_refuses_tensor_valued_features_by_name():
+    """The worker's second check (on the layers vLLM built): a tensor of sinks
+    or ALiBi slopes is refused by name, not a tensor's truth value."""
+    import types
+
+    import torch
+
+    from vllm_kvcompress.vllm_seam.worker.startup import check_scoring_exact
+
+    for attr, what in (("sinks", "attention sinks"), ("alibi_slopes", "ALiBi slopes")):
+        layer = types.SimpleNamespace(layer_name="model.layers.0.self_attn.attn",
+                                      impl=types.SimpleNamespace(**{attr: torch.zeros(4)}))
+        with pytest.raises(RuntimeError, match=f"cannot be served with {what} \\(layer model.layers.0"):
+            check_scoring_exact(layer)
+    check_scoring_exact(types.SimpleNamespace(layer_name="x", impl=types.SimpleNamespace(
+        sinks=None, alibi_slopes=None, logits_soft_cap=0)))

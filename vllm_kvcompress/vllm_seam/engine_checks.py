@@ -145,6 +145,14 @@ COMPRESSIBLE_LAYER_TYPE = "full_attention"
 KEPT_LAYER_TYPES = ("sliding_attention",)
 
 
+def window_never_slides(model) -> bool:
+    """A model whose every layer is sliding-window (no `layer_types`), by a
+    window no shorter than the engine's context: it never slides."""
+    window = model.get_sliding_window()
+    return (not getattr(model.hf_text_config, "layer_types", None) and window is not None
+            and window >= model.max_model_len)
+
+
 def full_attention_layers(model) -> int | None:
     """How many of the model's attention layers compress (None: all), or refuse.
 
@@ -168,6 +176,28 @@ def full_attention_layers(model) -> int | None:
     return num_layers
 
 
+def unscored_attention(hf) -> tuple[str, str] | None:
+    """The model's attention feature that the scoring ops would not reproduce,
+    and what in its config says so (None: none). Scores and the masked per-head pass
+    are softmax(scale * q.k); a logit soft cap (Gemma 2), ALiBi slopes (BLOOM,
+    MPT, Falcon with `alibi`) or learned attention sinks (gpt-oss: each head's
+    sink logit in the softmax denominator) change that attention. Refused
+    here, before the engine starts; the worker checks the layers again
+    (worker/startup.check_scoring_exact)."""
+    model_type = getattr(hf, "model_type", "")
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    if cap:
+        return "an attention logit soft cap", f"{model_type} attn_logit_softcapping={cap}"
+    attn_config = getattr(hf, "attn_config", None)
+    mpt_alibi = attn_config.get("alibi") if isinstance(attn_config, dict) else getattr(attn_config, "alibi", False)
+    if (model_type == "bloom" or getattr(hf, "alibi", False) is True or mpt_alibi is True
+            or getattr(hf, "position_embedding_type", None) == "alibi"):
+        return "ALiBi slopes", model_type
+    if model_type == "gpt_oss":
+        return "attention sinks", "gpt_oss: a learned sink logit per head"
+    return None
+
+
 def engine_limits(vllm_config) -> EngineLimits:
     """What bounds a configuration's integers on this engine (`limits.py`)."""
     model = vllm_config.model_config
@@ -185,6 +215,10 @@ def check_model(vllm_config) -> None:
         raise _refuse("an MLA model (latent KV cache layout)")
     if model.is_hybrid or model.is_attention_free:
         raise _refuse("a hybrid state-space or attention-free model (Mamba-style layers)")
+    unscored = unscored_attention(model.hf_text_config)
+    if unscored is not None:
+        feature, detail = unscored
+        raise _refuse(f"{feature} ({detail}: the scores would not be the model's attention)")
     limits = engine_limits(vllm_config)
     num_layers = limits.num_layers
     tp = vllm_config.parallel_config.tensor_parallel_size
@@ -264,6 +298,14 @@ def wrap_create_engine_config(original):
     def create_engine_config(self, *args, **kwargs):
         config = prepare_engine_args(self)
         vllm_config = original(self, *args, **kwargs)
+        if config is not None and window_never_slides(vllm_config.model_config) and not self.disable_sliding_window:
+            # Every layer "sliding" by a window at least as long as the context
+            # (Phi-4-mini, Phi-3.5-mini: 262,144 over 131,072) is full attention:
+            # vLLM's own disable_sliding_window says so, and its layers compress.
+            logger.info("kv_compress: sliding_window %d >= max_model_len %d: full attention (disable_sliding_window)",
+                        vllm_config.model_config.get_sliding_window(), vllm_config.model_config.max_model_len)
+            self.disable_sliding_window = True
+            vllm_config = original(self, *args, **kwargs)
         if config is not None:
             if vllm_config.device_config.device_type == "cuda":
                 check_cuda_graphs(vllm_config.compilation_config)

@@ -256,6 +256,7 @@ attribute | vllm.engine.arg_utils:EngineArgs.kv_cache_dtype | 0.32-0.34 | cache_
 attribute | vllm.engine.arg_utils:EngineArgs.attention_backend | 0.32-0.34 | FLASH_ATTN on CUDA
 attribute | vllm.engine.arg_utils:EngineArgs.compilation_config | 0.32-0.34 | piecewise CUDA graphs
 attribute | vllm.engine.arg_utils:EngineArgs.enforce_eager | 0.32-0.34 | piecewise CUDA graphs
+attribute | vllm.engine.arg_utils:EngineArgs.disable_sliding_window | 0.32-0.34 | a window no shorter than the context
 attribute | vllm.config.vllm:VllmConfig.additional_config | 0.32-0.34 | where the config travels
 attribute | vllm.config.vllm:VllmConfig.model_config | 0.32-0.34 | model checks
 attribute | vllm.config.vllm:VllmConfig.cache_config | 0.32-0.34 | kv_sharing_fast_prefill

@@ -110,7 +110,8 @@ def check_scoring_exact(layer) -> None:
     impl = layer.impl
     for attr, what in (("logits_soft_cap", "an attention logit soft cap"), ("alibi_slopes", "ALiBi slopes"),
                        ("sinks", "attention sinks")):
-        if getattr(impl, attr, None) not in (None, 0, 0.0):
+        value = getattr(impl, attr, None)  # a number, or a tensor (ALiBi slopes, sinks: one per head)
+        if value is not None and (isinstance(value, torch.Tensor) or value not in (0, 0.0)):
             raise RuntimeError(f"kv_compress cannot be served with {what} (layer {layer.layer_name}); "
                                f"its scores would not be the model's attention")
 
