@@ -173,22 +173,30 @@ def test_bad_recipes_name_the_file_and_the_mistake(tiny_model, recipes, name, ca
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("args, needle", ENGINE_REFUSALS)
-def test_engine_refusals_are_one_line_and_exit_2(tiny_model, args, needle, capsys):
-    """What `vllm serve` runs to the engine config, under the hook it runs in:
-    one error line, exit 2, no traceback (the real command: BAD_FLAGS)."""
+def serve_to_engine_config(args: list[str], capsys) -> tuple[str, str]:
+    """What `vllm serve ARGS` runs to the engine config, under the hook it runs
+    in, expected to exit 2: (its one error line, all it wrote to stderr)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from vllm_kvcompress.vllm_seam.engine_checks import wrap_serve_cmd
 
-    parsed = serve_parser().parse_args(["--model", tiny_model, "--dtype", "float32", *with_model(tiny_model, args)])
+    parsed = serve_parser().parse_args(args)
     serve = wrap_serve_cmd(lambda a: AsyncEngineArgs.from_cli_args(a).create_engine_config())
     with pytest.raises(SystemExit) as e:
         serve(parsed)
     assert e.value.code == 2
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and errors[0].startswith(needle), err
+    assert len(errors) == 1, err
+    return errors[0], err
+
+
+@pytest.mark.parametrize("args, needle", ENGINE_REFUSALS)
+def test_engine_refusals_are_one_line_and_exit_2(tiny_model, args, needle, capsys):
+    """One error line, exit 2, no traceback (the real command: BAD_FLAGS)."""
+    error, err = serve_to_engine_config(["--model", tiny_model, "--dtype", "float32",
+                                         *with_model(tiny_model, args)], capsys)
+    assert error.startswith(needle), err
     assert "Traceback" not in err
 
 
@@ -240,22 +248,11 @@ def feature_models(tiny_model, tmp_path_factory) -> dict[str, str]:
 def test_model_features_the_scores_miss_are_refused_in_one_line(feature_models, name, capsys):
     """gpt-oss's sinks, Gemma 2's soft cap, ALiBi: `vllm serve` exits 2 with one
     line naming the feature, before the engine starts (no traceback)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    from vllm_kvcompress.vllm_seam.engine_checks import wrap_serve_cmd
-
-    parsed = serve_parser().parse_args(["--model", feature_models[name], "--dtype", "float32",
-                                        "--kv-compress", "snapkv", "--kv-compress-budget", "64"])
-    serve = wrap_serve_cmd(lambda a: AsyncEngineArgs.from_cli_args(a).create_engine_config())
-    with pytest.raises(SystemExit) as e:
-        serve(parsed)
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    needle = f"vllm serve: error: kv_compress cannot be served with {FEATURE_CONFIGS[name][3]}"
-    assert len(errors) == 1 and errors[0].startswith(needle), err
+    error, err = serve_to_engine_config(["--model", feature_models[name], "--dtype", "float32",
+                                         "--kv-compress", "snapkv", "--kv-compress-budget", "64"], capsys)
+    assert error.startswith(f"vllm serve: error: kv_compress cannot be served with {FEATURE_CONFIGS[name][3]}"), err
     # (vLLM's loggers may write to an earlier test's closed capture: "Logging error" tracebacks, not ours.)
-    assert "the scores would not be the model's attention" in errors[0] and "KVCompressConfigError" not in err
+    assert "the scores would not be the model's attention" in error and "KVCompressConfigError" not in err
 
 
 def test_the_worker_refuses_tensor_valued_features_by_name():
