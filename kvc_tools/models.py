@@ -567,6 +567,63 @@ def build_tiny_gemma3(
     return _build_tiny(path, "tiny-gemma3", params, make, force)
 
 
+def build_tiny_qwen3(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    moe: bool = False,
+    num_layers: int = 4,
+    hidden_size: int = 256,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate_size: int = 768,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    init_std: float = 0.08,
+    force: bool = False,
+) -> Path:
+    """Build (or return the cached) seeded random Qwen3 (or Qwen3-MoE) at ``path``.
+
+    Qwen3's attention normalises each head's query and key (RMSNorm) before
+    RoPE; the MoE variant routes every layer's MLP to ``num_experts_per_tok``
+    of ``num_experts`` experts (each ``intermediate_size`` wide). Same seeded
+    init and tokenizer as ``build_tiny_llama``; norm weights start at 1.
+    """
+    params = {
+        "seed": seed,
+        "moe": moe,
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size,
+        **({"num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok} if moe else {}),
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "init_std": init_std,
+    }
+
+    def make(tok, common):
+        from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if moe:
+            cfg = Qwen3MoeConfig(num_hidden_layers=num_layers, rms_norm_eps=1e-5, rope_parameters=rope,
+                                 num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                                 moe_intermediate_size=intermediate_size, norm_topk_prob=True,
+                                 architectures=["Qwen3MoeForCausalLM"], **common)
+            return Qwen3MoeForCausalLM(cfg), 1.0
+        cfg = Qwen3Config(num_hidden_layers=num_layers, rms_norm_eps=1e-5, rope_parameters=rope,
+                          architectures=["Qwen3ForCausalLM"], **common)
+        return Qwen3ForCausalLM(cfg), 1.0
+
+    return _build_tiny(path, "tiny-qwen3-moe" if moe else "tiny-qwen3", params, make, force)
+
+
 def build_tiny_phi3(
     path: str | Path,
     *,

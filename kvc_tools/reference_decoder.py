@@ -38,10 +38,14 @@ class ReferenceDecoder:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         cfg = self.model.config
         self.gemma = cfg.model_type in ("gemma3_text", "gemma3")
-        if cfg.model_type not in ("llama", "qwen2", "mistral") and not self.gemma:
-            raise ValueError(f"reference decoder supports Llama-like and Gemma 3 models, not {cfg.model_type}")
-        if getattr(cfg, "sliding_window", None) is not None and not self.gemma:
+        if cfg.model_type not in ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe") and not self.gemma:
+            raise ValueError(f"reference decoder supports Llama-like, Qwen3 and Gemma 3 models, not {cfg.model_type}")
+        # Qwen's configs carry a window that only `use_sliding_window` turns on.
+        windowed = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
+        if windowed and not self.gemma:
             raise ValueError("reference decoder: sliding windows only for Gemma 3's layer types")
+        # Per-head RMSNorm of q and k before RoPE (Gemma 3, Qwen3): wherever the model has it.
+        self.qk_norm = hasattr(self.model.model.layers[0].self_attn, "q_norm")
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
             raise ValueError("reference decoder: attention logit soft caps are not supported (nor by the plugin)")
         self.num_layers = cfg.num_hidden_layers
@@ -49,7 +53,8 @@ class ReferenceDecoder:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if self.gemma else self.head_dim ** -0.5
-        layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers
+        layer_types = (getattr(cfg, "layer_types", None) if windowed or self.gemma else None) \
+            or ["full_attention"] * self.num_layers
         # Per layer: the sliding window (None: full attention, which compresses).
         self.window = [cfg.sliding_window if t == "sliding_attention" else None for t in layer_types]
         self.layer_types = layer_types
@@ -96,7 +101,7 @@ class ReferenceDecoder:
             h = layer.input_layernorm(x)
             q = attn.q_proj(h).view(n, self.num_q_heads, self.head_dim)
             k = attn.k_proj(h).view(n, self.num_kv_heads, self.head_dim)
-            if self.gemma:  # per-head RMSNorm of q and k before RoPE
+            if self.qk_norm:  # per-head RMSNorm of q and k before RoPE
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(0, 1), k.transpose(0, 1)
             v = attn.v_proj(h).view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
@@ -132,7 +137,8 @@ class ReferenceDecoder:
                 x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
             else:
                 x = x + out
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                # Dense, or Qwen3-MoE's routed experts (which take a batch dimension).
+                x = x + layer.mlp(layer.post_attention_layernorm(x).unsqueeze(0))[0]
             if observed is not None and observed.any() and c is not None:
                 state.observe(c, logits[:, observed].float(), positions[observed])
         x = m.norm(x[-1:])
