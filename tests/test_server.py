@@ -44,17 +44,22 @@ def server(request, tiny_model, tmp_path_factory):
     (folder / "recipe.yaml").write_text(RECIPE)
     srv = Server(tiny_model, "--kv-compress-config", str(folder / "recipe.yaml"), *FLAGS, "--max-num-seqs", "8",
                  "--enable-prompt-tokens-details", *PARALLEL[request.param], log=folder / "serve.log",
-                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if bind_cores(request.param) else None)
+                 env=parallel_env(request.param))
     srv.parallel = request.param
     yield srv
     srv.stop()
 
 
-def bind_cores(parallel: str) -> bool:
-    """A core per rank: tensor parallelism on CPU needs it; so does data
-    parallelism from vLLM 0.34 on, whose automatic binding wants a NUMA node
-    per engine (this machine has one)."""
-    return parallel == "tp2" or (parallel == "dp2" and vllm_at_least("0.34"))
+def parallel_env(parallel: str) -> dict[str, str] | None:
+    """Tensor parallelism on CPU needs a core per rank. Data parallelism from
+    vLLM 0.34 on gives each engine a NUMA node of its own, which this machine
+    (one node) lacks: VLLM_CPU_SIM_MULTI_NUMA, vLLM's switch for such hosts,
+    splits the node's cores between the engines (with its automatic binding)."""
+    if parallel == "tp2":
+        return {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    if parallel == "dp2" and vllm_at_least("0.34"):
+        return {"VLLM_CPU_SIM_MULTI_NUMA": "1"}
+    return None
 
 
 def complete(server, prompt, **kw):
