@@ -137,8 +137,9 @@ class ReferenceDecoder:
                 x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
             else:
                 x = x + out
-                # Dense, or Qwen3-MoE's routed experts (which take a batch dimension).
-                x = x + layer.mlp(layer.post_attention_layernorm(x).unsqueeze(0))[0]
+                h = layer.post_attention_layernorm(x)
+                # Qwen3-MoE's routed experts take a batch dimension; a dense MLP the tokens as they are.
+                x = x + (layer.mlp(h.unsqueeze(0))[0] if hasattr(layer.mlp, "experts") else layer.mlp(h))
             if observed is not None and observed.any() and c is not None:
                 state.observe(c, logits[:, observed].float(), positions[observed])
         x = m.norm(x[-1:])
