@@ -531,10 +531,6 @@ class Report:
         return f"{len(self.rows)} rows: {', '.join(counts)}"
 
 
-def _minor_key(minor: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in minor.split("."))
-
-
 def _patch_target(p: patches.Patch) -> str:
     return f"{p.module}:{p.owner + '.' if p.owner else ''}{p.attr}"
 
@@ -670,11 +666,11 @@ def check(tree: Tree, baseline: Tree | Recorded | None, minor: str | None = None
     """Every row whose versions include this tree's minor version, resolved and compared with `baseline`."""
     minor = minor or versions.minor_of(tree.version) or "unknown"
     report = Report(tree.source.label, tree.version, minor)
-    known = sorted(versions.KNOWN, key=_minor_key)
+    known = sorted(versions.KNOWN, key=versions.minor_key)
     rows_minor = minor
     if minor not in known:
         # A version the seam has no rows for: the rows of the nearest known version.
-        newer = minor == "unknown" or _minor_key(minor) > _minor_key(known[-1])
+        newer = minor == "unknown" or versions.minor_key(minor) > versions.minor_key(known[-1])
         rows_minor = known[-1] if newer else known[0]
         report.problems.append(f"vLLM {minor} has no seam rows (known: {', '.join(known)}); "
                                f"checked the rows of {rows_minor}")

@@ -118,6 +118,7 @@ class CacheDType:
 
 AUTO = CacheDType()
 
+
 def cpu_fp8_unserved() -> str | None:
     """Why vLLM's CPU attention cannot hold an fp8 cache on this CPU (None: it can).
 

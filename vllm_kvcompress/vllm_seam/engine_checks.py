@@ -23,6 +23,7 @@ logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
 SCHEDULER_CLS = "vllm_kvcompress.vllm_seam.scheduler.KVCompressScheduler"
 
+
 def _refuse(what: str) -> KVCompressConfigError:
     return KVCompressConfigError(f"kv_compress cannot be served with {what}; turn one of them off")
 

@@ -56,9 +56,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import versions
-from .versions import Support, minor_key, support
+from .versions import Support, support
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
+
 
 @dataclass(frozen=True)
 class Patch:
@@ -71,8 +72,7 @@ class Patch:
     why: str
 
     def applies_to(self, minor: str) -> bool:
-        first, _, last = self.versions.partition("-")
-        return minor_key(first) <= minor_key(minor) <= minor_key(last or first)
+        return versions.covers(self.versions, minor)
 
     @property
     def symbol(self) -> str:
@@ -161,7 +161,6 @@ vllm.v1.engine.core | EngineCore | kv_compress_stats | scheduler.make_engine_sta
 # plugin installs on a vLLM version it does not serve, with the startup refusal.
 _REFUSAL_ATTRS = ("add_cli_args", "__init__")
 _REFUSAL_CONFIG = "vllm.engine.arg_utils.EngineArgs.create_engine_config"
-_ATTENTION_BACKENDS = ("attention",)  # the key of vLLM's attention backend registration
 
 
 def _parse(table: str) -> list[Patch]:
@@ -179,6 +178,8 @@ class SeamMismatch(RuntimeError):
 
 # (module, owner, attr) -> (the owner, its attribute before the row; None: the row added it)
 _installed: dict[tuple[str, ...], tuple[Any, Any]] = {}
+# Whether apply_all registered the attention backends with vLLM (its last step).
+_backends_registered = False
 
 
 def _resolve(p: Patch) -> tuple[Any, Any]:
@@ -230,8 +231,6 @@ def remove_all() -> None:
     as it was before the plugin loaded (the attention backend registration
     is the last step of `apply_all`, so a failure never leaves it behind)."""
     for key, (owner, raw) in reversed(list(_installed.items())):
-        if key == _ATTENTION_BACKENDS:
-            continue
         if raw is None:
             delattr(owner, key[-1])
         else:
@@ -253,7 +252,8 @@ def apply_all() -> None:
     """Install the whole seam of the running vLLM version (the plugin entry
     point calls this in every process a served version runs). All or
     nothing: on any failure every row is taken out again before it raises."""
-    if _ATTENTION_BACKENDS in _installed:
+    global _backends_registered
+    if _backends_registered:
         return
     served = support()
     if not served.serves or served.minor is None:
@@ -268,7 +268,7 @@ def apply_all() -> None:
     except BaseException:
         remove_all()
         raise
-    _installed[_ATTENTION_BACKENDS] = (None, None)
+    _backends_registered = True
 
 
 def apply_refusal(served: Support) -> None:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .versions import covers
+
 
 @dataclass(frozen=True)
 class Relied:
@@ -41,12 +43,7 @@ class Relied:
         return self.alternatives[0].replace(":", ".")
 
     def applies_to(self, minor: str) -> bool:
-        first, _, last = self.versions.partition("-")
-        return _key(first) <= _key(minor) <= _key(last or first)
-
-
-def _key(minor: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in minor.split("."))
+        return covers(self.versions, minor)
 
 
 _SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
@@ -367,8 +364,7 @@ class Reviewed:
     why: str
 
     def applies_to(self, minor: str) -> bool:
-        first, _, last = self.versions.partition("-")
-        return _key(first) <= _key(minor) <= _key(last or first)
+        return covers(self.versions, minor)
 
 
 REVIEWED: tuple[Reviewed, ...] = (

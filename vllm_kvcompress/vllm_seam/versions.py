@@ -27,6 +27,12 @@ def minor_key(minor: str) -> tuple[int, ...]:
     return tuple(int(x) for x in minor.split("."))
 
 
+def covers(span: str, minor: str) -> bool:
+    """Whether a row's versions ("0.32-0.34", or one "0.32") include `minor`."""
+    first, _, last = span.partition("-")
+    return minor_key(first) <= minor_key(minor) <= minor_key(last or first)
+
+
 def minor_of(version: str) -> str | None:
     """"0.32.0+cpu" -> "0.32" (None: not a release version)."""
     m = re.match(r"(\d+)\.(\d+)", version)
