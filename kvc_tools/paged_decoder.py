@@ -238,8 +238,9 @@ class PagedDecoder:
             scheduler_output = types.SimpleNamespace(finished_req_ids=tuple(finished), preempted_req_ids=(),
                                                      total_num_scheduled_tokens=len(running))
             next_due = {rid: plans[rid].next_due(logical[rid]) for rid in running if plans[rid].plan is not None}
-            attach_step_plan(scheduler_output, StepPlan(started=started, compactions=compactions, next_due=next_due,
-                                                        compressing=bool(next_due)))
+            evicted = {c.request_id: tuple(plans[c.request_id].num_evicted) for c in compactions}
+            attach_step_plan(scheduler_output, StepPlan(started=started, compactions=compactions, evicted=evicted,
+                                                        next_due=next_due, compressing=bool(next_due)))
             with _no_syncs(check_syncs and self.device.type == "cuda"), _timed(times, "compaction", self.device):
                 worker.before_update_states(scheduler_output)
             for rid in finished:
@@ -333,7 +334,8 @@ class PagedDecoder:
                 row = runner.requests[rid].block_ids[vg]
                 while len(row) < cdiv(int(phys[s + n - 1]) + 1, bs):
                     row.append(free.pop(0))
-        step = step_passes(worker, step_ids, starts, n_sched, positions, physical)
+        step = step_passes(worker, step_ids, starts, n_sched, np.array([logical[rid] for rid in step_ids]), positions,
+                           physical)
         slots, tables, seq_lens = {}, {}, {}
         for vg, phys in by_vllm_group.items():
             slots[vg] = torch.tensor([runner.requests[rid].block_ids[vg][p // bs] * bs + p % bs

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .plan import CompressionPlan
+from .triggers import Hold
 
 
 def cdiv(a: int, b: int) -> int:
@@ -104,6 +105,8 @@ class RequestSchedule:
                                    f"were not reported at the end of its prefill")
             self.prefill_checked = True
             return targets if max(over) > 0 else None
+        if not self.plan.trigger.repeats():  # compressed at its prompt's end, if at all: never again
+            return None
         budgets = self._budgets_after_prompt()
         over = [p - b for p, b in zip(physical, budgets)]
         targets = tuple(min(p, b) for p, b in zip(physical, budgets))
@@ -150,9 +153,11 @@ class RequestSchedule:
                 return min(prompt_len, min(b + e + chunk for b, e in zip(self.budgets, self.num_evicted)))
             if self.budgets_pending or max(prompt_len - e - b for b, e in zip(self.budgets, self.num_evicted)) > 0:
                 return prompt_len  # an over-budget prompt compresses at its end
+        if not trigger.repeats():
+            return None
         # Past the prompt's compression: when the first group is an interval past its budget.
         room = min(b + e + self.plan.interval for b, e in zip(self._budgets_after_prompt(), self.num_evicted))
-        return max(room, logical_len) if trigger.repeats() else None
+        return max(room, logical_len)
 
     def longest_prefix_hit(self) -> int | None:
         """Most leading tokens the request may take from vLLM's prefix cache
@@ -229,6 +234,13 @@ class RequestSchedule:
         compression, computing up to `total_len` tokens (None: compression
         off, all of them): the budget plus every output under 'once', plus an
         interval under a rolling trigger. For the admission's timeline."""
+        holds = self.holds_after_prompt()
+        return None if holds is None else tuple(max(0, hold.at(total_len)) for hold in holds)
+
+    def holds_after_prompt(self) -> tuple[Hold, ...] | None:
+        """`held_after_prompt` per group as a line in the total length (less
+        than 0 reads as 0): the trigger's hold, never more than the tokens the
+        request has left after its evictions so far."""
         if self.plan is None or self.budgets is None:
             return None
         plan = self.plan
@@ -236,8 +248,8 @@ class RequestSchedule:
         for budget, evicted in zip(self.budgets, self.num_evicted):
             if self.budgets_pending:
                 budget = max(budget, plan.prompt_len)
-            held = plan.trigger.held_after_prompt(budget, plan.prompt_len, total_len, plan.interval)
-            out.append(max(0, min(held, total_len - evicted)))
+            hold = plan.trigger.hold_after_prompt(budget, plan.prompt_len, plan.interval)
+            out.append(Hold(offset=-evicted if hold.offset is None else min(hold.offset, -evicted), cap=hold.cap))
         return tuple(out)
 
     def _prompt_chunk(self) -> int:

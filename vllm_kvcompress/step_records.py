@@ -51,7 +51,8 @@ class StepPlan:
 
     started: list[StartedRequest] = field(default_factory=list)
     compactions: list[Compaction] = field(default_factory=list)
-    # logical - physical length per KV cache group of every scheduled request with a state.
+    # logical - physical length per KV cache group of each request compacted
+    # in this step; the workers keep the others' (none: 0) until it ends or is preempted.
     evicted: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # The logical length at which each scheduled request with a plan next
     # compresses (None: never), as its schedule says after this step's

@@ -142,9 +142,28 @@ class RequestTokens:
         return self.scorer.observe.queries(q_positions, self.plan.prompt_len, self.scorer.window_queries(),
                                            self.next_due) & unprotected
 
+    def observes_any(self, first: int, n: int) -> bool:
+        """Whether any query at logical positions [first, first + n) may be
+        observed (`observed` says which): the step's cheap test, so that a
+        request with nothing to observe costs no tensor work."""
+        if not self.needs_attention:
+            return False
+        span = self.scorer.observe.span(self.plan.prompt_len, self.scorer.window_queries(), self.next_due)
+        if span is None:
+            return True
+        return max(first, span[0], self.plan.protected_len) < min(first + n, span[1])
+
+    def quiet(self, first: int, n: int) -> bool:
+        """Whether the step's queries [first, first + n) need no attention
+        pass: none observed, no head with dead slots, no merged layer."""
+        return not self.merged and not self.observes_any(first, n) and all(d is None for d in self.dead)
+
     def append(self, q_positions: torch.Tensor) -> None:
         """New tokens entered the cache (same positions in every layer/head)."""
-        first, n = int(q_positions[0]), len(q_positions)
+        self.append_range(int(q_positions[0]), len(q_positions))
+
+    def append_range(self, first: int, n: int) -> None:
+        """`append` of the positions [first, first + n)."""
         if self.logical_len == 0:
             # The first tokens computed: any before them came from the prefix
             # cache, and are in the cache from slot 0 on.

@@ -26,12 +26,39 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .compat import Component, Problem, first_problem
 from .limits import bounded
 
 if TYPE_CHECKING:
     from .config import KVCompressConfig
     from .registry import Components
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Tokens a request holds past its prompt, as a function of its total
+    length L: min(L + offset, cap), a term left out where it is None. Every
+    trigger's hold has this shape, so admission can forecast many requests'
+    blocks over many steps at once (admission.py) from the same formula."""
+
+    offset: int | None
+    cap: int | None
+
+    def at(self, total_len: int) -> int:
+        if self.offset is None:
+            assert self.cap is not None, "a hold has a slope, a cap or both"
+            return self.cap
+        return total_len + self.offset if self.cap is None else min(total_len + self.offset, self.cap)
+
+    def at_each(self, total_lens: np.ndarray) -> np.ndarray:
+        """`at` of every length in an integer array (the same line, for a forecast of many steps)."""
+        if self.offset is None:
+            assert self.cap is not None, "a hold has a slope, a cap or both"
+            return np.full_like(total_lens, self.cap)
+        held: np.ndarray = total_lens + self.offset
+        return held if self.cap is None else np.minimum(held, self.cap)
 
 
 @dataclass(frozen=True)
@@ -57,7 +84,8 @@ class Trigger(Component):
         return False
 
     def due_after_prompt(self, over: int, interval: int) -> bool:
-        """Whether a request past its prompt's compression compresses now."""
+        """Whether a request past its prompt's compression compresses now
+        (only asked of a trigger that `repeats`)."""
         return False
 
     def tokens_until_due(self, room: int) -> int | None:
@@ -66,7 +94,12 @@ class Trigger(Component):
 
     def held_after_prompt(self, budget: int, prompt_len: int, total_len: int, interval: int) -> int:
         """Most tokens a request holds while it computes up to `total_len` tokens past its prompt."""
-        return min(budget, prompt_len) + total_len - prompt_len
+        return self.hold_after_prompt(budget, prompt_len, interval).at(total_len)
+
+    def hold_after_prompt(self, budget: int, prompt_len: int, interval: int) -> Hold:
+        """`held_after_prompt` as a line in the total length: the budget and
+        every output (a token more per token computed)."""
+        return Hold(offset=min(budget, prompt_len) - prompt_len, cap=None)
 
     def budget_after_prompt(self, budget: int, prompt_len: int) -> int:
         """The tokens a request past its prompt compresses back to: the prompt's budget,
@@ -95,8 +128,8 @@ class Rolling(Trigger):
     def tokens_until_due(self, room: int) -> int | None:
         return max(room, 1)
 
-    def held_after_prompt(self, budget: int, prompt_len: int, total_len: int, interval: int) -> int:
-        return budget + interval
+    def hold_after_prompt(self, budget: int, prompt_len: int, interval: int) -> Hold:
+        return Hold(offset=None, cap=budget + interval)
 
 
 @dataclass(frozen=True)
@@ -153,8 +186,9 @@ class OnceThenWindow(Rolling):
         if self.decode_window < 1:
             raise ValueError(f"decode_window must be >= 1, got {self.decode_window}")
 
-    def held_after_prompt(self, budget: int, prompt_len: int, total_len: int, interval: int) -> int:
-        return min(budget, prompt_len) + min(total_len - prompt_len, self.decode_window + interval)
+    def hold_after_prompt(self, budget: int, prompt_len: int, interval: int) -> Hold:
+        kept = min(budget, prompt_len)
+        return Hold(offset=kept - prompt_len, cap=kept + self.decode_window + interval)
 
     def budget_after_prompt(self, budget: int, prompt_len: int) -> int:
         return min(budget, prompt_len) + self.decode_window

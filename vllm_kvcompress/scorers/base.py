@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from ..registry import Components
 
 
+EVERY_POSITION = 2**62  # past any logical position: a span without an end
+
+
 class Observes:
     """Which queries' attention a scorer accumulates while the request runs,
     and how a step's attention joins what was accumulated. The request's
@@ -41,12 +44,20 @@ class Observes:
         """Whether only prompt queries are observed (nothing while decoding)."""
         return False
 
+    def span(self, prompt_len: int, window: int, next_due: int | None) -> tuple[int, int] | None:
+        """The logical positions [lo, hi) whose queries it observes, before
+        the protected start is taken out; `next_due`: where the next
+        compression happens (None: none will). None: not a fixed range (which
+        queries count is decided per step, `queries`)."""
+        return 0, EVERY_POSITION
+
     def queries(self, q_positions: torch.Tensor, prompt_len: int, window: int,
                 next_due: int | None) -> torch.Tensor:
         """Bool mask over a step's queries (logical positions) to observe,
-        before the protected start is taken out; `next_due`: where the next
-        compression happens (None: none will)."""
-        return torch.ones_like(q_positions, dtype=torch.bool)
+        before the protected start is taken out."""
+        span = self.span(prompt_len, window, next_due)
+        assert span is not None, f"{type(self).__name__} observes no fixed span: it decides per step"
+        return (q_positions >= span[0]) & (q_positions < span[1])
 
     def first_query(self, prompt_len: int, window: int, first_due: int) -> int:
         """The lowest logical position whose query it may observe on the way
@@ -78,8 +89,8 @@ class ObservesNothing(Observes):
     def attends(self) -> bool:
         return False
 
-    def queries(self, q_positions, prompt_len, window, next_due):
-        return torch.zeros_like(q_positions, dtype=torch.bool)
+    def span(self, prompt_len, window, next_due):
+        return 0, 0
 
     def first_query(self, prompt_len, window, first_due):
         return first_due
@@ -91,8 +102,8 @@ class ObservesWindow(Observes):
     def prompt_only(self) -> bool:
         return True
 
-    def queries(self, q_positions, prompt_len, window, next_due):
-        return (q_positions >= prompt_len - window) & (q_positions < prompt_len)
+    def span(self, prompt_len, window, next_due):
+        return prompt_len - window, prompt_len
 
     def first_query(self, prompt_len, window, first_due):
         return max(prompt_len - window, 0)
@@ -104,6 +115,9 @@ class ObservesAll(Observes):
 
 class ObservesLast(Observes):
     value = "last"  # only the newest query; each step replaces the last (TOVA)
+
+    def span(self, prompt_len, window, next_due):
+        return None
 
     def queries(self, q_positions, prompt_len, window, next_due):
         mask = torch.zeros_like(q_positions, dtype=torch.bool)
@@ -128,10 +142,8 @@ class ObservesRecent(Observes):
     # it (R-KV's observation window, at every rolling compression).
     value = "recent"
 
-    def queries(self, q_positions, prompt_len, window, next_due):
-        if next_due is None:
-            return torch.zeros_like(q_positions, dtype=torch.bool)
-        return (q_positions >= next_due - window) & (q_positions < next_due)
+    def span(self, prompt_len, window, next_due):
+        return (0, 0) if next_due is None else (next_due - window, next_due)
 
     def first_query(self, prompt_len, window, first_due):
         return max(first_due - window, 0)

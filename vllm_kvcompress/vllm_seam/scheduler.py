@@ -27,9 +27,10 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import RequestStatus
 
 from ..accounting import CompressionStats
+from ..admission import GrowthForecast, Outlook
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..plan import resolve_plan
-from ..schedule import RequestSchedule, cdiv
+from ..schedule import RequestSchedule
 from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, log_failure, report_of
 from .block_manager import CompressedAttentionManager
 from .groups import CompressedLayers
@@ -71,6 +72,14 @@ class KVCompressScheduler(Scheduler):
         # Preempted for room to copy (`_plan_compression`): not resumed in the
         # step that preempted them, as vLLM resumes none of its own.
         self._kvc_held_back: set[str] = set()
+        # Growth-aware admission's forecast of the running requests, kept
+        # from step to step; `_kvc_forecast_follows` running requests (the
+        # last of them `_kvc_forecast_last`) are in it as of this step (-1:
+        # one may have left since, a full sync is due).
+        self._kvc_forecast = GrowthForecast(self.kvc_block_size, len(self.kvc_layers.vllm_groups),
+                                            self.max_num_scheduled_tokens)
+        self._kvc_step = 0
+        self._kvc_forecast_follows, self._kvc_forecast_last = -1, None
         # Requests with a plan that verified drafts in the last step: the
         # workers learn their accepted length in the next step's plan.
         self._kvc_speculated: set[str] = set()
@@ -193,6 +202,7 @@ class KVCompressScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         # Before anything is scheduled: the lengths after the last step's rejections.
         settled = {rid: self.requests[rid].num_computed_tokens for rid in self._kvc_speculated if rid in self.requests}
+        self._kvc_step += 1
         ops = self._plan_compressions()
         try:
             output = super().schedule(*args, **kwargs)
@@ -207,11 +217,8 @@ class KVCompressScheduler(Scheduler):
         ops = [op for op in ops if op.request_id in self.kvc_states]
         started = [v for rid, v in self._kvc_started.items() if rid in self.kvc_states]
         self._kvc_started.clear()
-        evicted = {
-            rid: tuple(self.kvc_states[rid].num_evicted)
-            for rid in output.num_scheduled_tokens
-            if rid in self.kvc_states
-        }
+        # The workers keep each request's evicted counts: only this step's compactions change them.
+        evicted = {op.request_id: tuple(self.kvc_states[op.request_id].num_evicted) for op in ops}
         # Where each next compresses, from the lengths before this step's tokens.
         next_due = {rid: self.kvc_states[rid].next_due(self.requests[rid].num_computed_tokens - n)
                     for rid, n in output.num_scheduled_tokens.items()
@@ -283,68 +290,51 @@ class KVCompressScheduler(Scheduler):
             # Growth-aware admission: it waits (with every waiting request
             # behind it, on 0.32) until the running set's growth leaves room.
             return 0
-        cap = self._request_state(request).tokens_until_due(num_computed_tokens)
+        state = self._request_state(request)
+        if num_new_tokens <= 1 and state.plan is not None and num_computed_tokens >= state.plan.prompt_len:
+            return num_new_tokens  # past its prompt, a step may always compute a token (`tokens_until_due`)
+        cap = state.tokens_until_due(num_computed_tokens)
         return num_new_tokens if cap is None else min(num_new_tokens, cap)
 
     # ------------------------------------------------------------ admission
 
     def _admits(self, request) -> bool:
-        """Whether a waiting compressed request may start now (a vanilla one: always, vLLM decides).
-
-        vLLM admits a request when its prompt's blocks are free. A compressed
-        prompt needs few blocks once compressed, so many are admitted, grow
-        together (their outputs are kept) and preempt each other; a preempted
-        one recomputes its whole prompt. Here the running requests and the
-        new one are followed forward, a token a step (`_timeline`): each holds
-        what its plan keeps (`RequestSchedule.held_after_prompt`, the new one
-        its prompt first) until it ends at its `max_tokens` or
-        `max_model_len` (or `reserve_growth` tokens on) and gives its blocks
-        back. It starts only if at every step ahead they all fit the blocks
-        the running requests hold plus the free ones, less vLLM's watermark.
-        The first request always starts (vLLM checked at startup that one of
-        `max_model_len` fits). Blocks of uncompressed groups (a hybrid model's
-        sliding windows) are vLLM's own and not counted.
+        """Whether a waiting compressed request may start now (a vanilla one:
+        always, vLLM decides): only if it and the running requests fit the
+        pool at every step ahead, each growing as its plan keeps tokens
+        (admission.py). The first request always starts (vLLM checked at
+        startup that one of `max_model_len` fits). Blocks of uncompressed
+        groups (a hybrid model's sliding windows) are vLLM's own and not
+        counted.
         """
         if not self.running or self.kvc_config.reserve_growth == 0:
             return True
         if self._request_state(request).plan is None:
             return True
-        lines = [self._timeline(r, running=True) for r in self.running] + [self._timeline(request, running=False)]
-        capacity = self.kv_cache_manager.block_pool.get_num_free_blocks() - self.kv_cache_manager.watermark_blocks
-        capacity += sum(line[0] for line in lines[:-1])
-        # Each request's blocks grow until it ends: the total peaks at the
-        # start, at a prefill's end, or at some request's last step.
-        steps = {0} | {t for line in lines for t in (line[1] - 1, line[3] - line[2] + max(line[1] - 1, 0))}
-        return all(sum(_blocks_at(line, t) for line in lines) <= capacity for t in steps if t >= 0)
+        forecast, running = self._kvc_forecast, self.running
+        if forecast.step == self._kvc_step and self._kvc_forecast_follows >= 0 \
+                and len(running) >= self._kvc_forecast_follows and running[self._kvc_forecast_follows - 1] is \
+                self._kvc_forecast_last:
+            # Later in the same step: the running requests are those of the
+            # last check and those started since (appended).
+            for r in running[self._kvc_forecast_follows:]:
+                forecast.update(r.request_id, self._outlook(r))
+        else:
+            forecast.sync(self._kvc_step, ((r.request_id, self._outlook(r)) for r in running))
+        self._kvc_forecast_follows, self._kvc_forecast_last = len(running), running[-1]
+        manager = self.kv_cache_manager
+        return forecast.admits(self._outlook(request), manager.block_pool.get_num_free_blocks()
+                               - manager.watermark_blocks)
 
-    def _timeline(self, request, running: bool) -> tuple:
-        """(blocks now, prefill steps, tokens once prefilled, last length, blocks at a length, blocks while
-        prefilling): what `_blocks_at` reads. Steps ahead are taken as every running request computing one
-        token a step (a prefill at the scheduler's token budget)."""
+    def _outlook(self, request) -> Outlook:
         final = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if self.kvc_config.reserve_growth is not None:
             final = min(final, request.num_tokens + self.kvc_config.reserve_growth)
         state = self.kvc_states.get(request.request_id)
-        size, groups = self.kvc_block_size, len(self._kvc_managers)
-        if state is None:
-            state = RequestSchedule.create(None)  # not planned yet: uncompressed
-        plan = state.plan is not None
-
-        def blocks(tokens) -> int:
-            return sum(cdiv(t, size) for t in tokens)
-
-        def blocks_of(length: int) -> int:
-            held = state.held_after_prompt(length) if plan else None
-            return blocks(held) if held is not None else groups * cdiv(length, size)
-
-        logical, start = request.num_computed_tokens, request.num_tokens
-        held = sum(sum(not b.is_null for b in m.req_to_blocks.get(request.request_id, ())) for m in self._kvc_managers)
-        prefill = cdiv(start - logical, self.max_num_scheduled_tokens) if start - logical > 1 else 0
-        peak = state.peak_physical(logical, min(final, start)) if plan else None
-        prefilling = blocks(peak) if peak is not None else groups * cdiv(min(final, start), size)
-        if not running:
-            held = prefilling
-        return held, prefill, start, final, blocks_of, prefilling
+        # A full-attention manager's block table holds no null blocks.
+        held = sum(len(m.req_to_blocks.get(request.request_id, ())) for m in self._kvc_managers)
+        return Outlook(held=held, computed=request.num_computed_tokens, total=request.num_tokens, final=final,
+                       schedule=state if state is not None else _UNPLANNED)
 
     def _write_snapshot(self) -> None:
         data = self.kvc_stats.snapshot(self.kv_cache_manager.block_pool.get_num_free_blocks(), per_request=False)
@@ -359,6 +349,8 @@ class KVCompressScheduler(Scheduler):
         held = tuple(sum(not b.is_null for b in m.req_to_blocks.get(request.request_id, ()))
                      for m in self._kvc_all_managers)
         super()._free_request_blocks(request)
+        self._kvc_forecast.retire(request.request_id)
+        self._kvc_forecast_follows = -1
         self.kvc_states.pop(request.request_id, None)
         self._kvc_started.pop(request.request_id, None)
         preempted = not request.is_finished()
@@ -379,17 +371,7 @@ class KVCompressScheduler(Scheduler):
         return self.kvc_stats.snapshot(free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks())
 
 
-def _blocks_at(line: tuple, step: int) -> int:
-    """Blocks a request's timeline (`KVCompressScheduler._timeline`) holds `step` steps ahead."""
-    held, prefill, start, final, blocks_of, prefilling = line
-    if step == 0:
-        return max(held, blocks_of(start) if not prefill else held)
-    if step < prefill:
-        return max(held, prefilling)
-    # A decoding request computes its pending token now; one still to
-    # prefill decodes its first output in the step after its prefill.
-    length = start + step - max(prefill - 1, 0)
-    return 0 if length > final else blocks_of(length)
+_UNPLANNED = RequestSchedule.create(None)  # a request not planned yet: uncompressed
 
 
 def _kind(spec) -> str:

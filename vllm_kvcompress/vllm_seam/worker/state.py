@@ -140,7 +140,7 @@ class WorkerCompression:
         self.device = first.kv_cache.device
         self.ops = get_ops(self.device.type)
         self.states: dict[str, RequestTokens] = {}
-        self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group
+        self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group, of the requests that evicted
         # Per-layer budgets decided from this step's attention, for the scheduler.
         self.reported: list[ReportedBudgets] = []
         self.snapshot = SnapshotWriter("worker")
@@ -199,15 +199,15 @@ class WorkerCompression:
         self.runner.begin_step(so)
         plan = step_plan_of(so)
         preempted = getattr(so, "preempted_req_ids", None) or ()
-        for rid in so.finished_req_ids:
+        for rid in (*so.finished_req_ids, *preempted):
             self.states.pop(rid, None)
-        for rid in preempted:
-            self.states.pop(rid, None)
+            self.evicted.pop(rid, None)
         # Any request's end, compressed or not: both leave holes in the heap.
         self.heap.after_step(ended=bool(so.finished_req_ids or preempted), idle=not so.total_num_scheduled_tokens)
         self.compressing = plan.compressing
         for started in plan.started:
             self.states.pop(started.request_id, None)
+            self.evicted.pop(started.request_id, None)
             if started.plan is not None:
                 with self.isolated(started.request_id, "start"):
                     self.states[started.request_id] = RequestTokens(
@@ -222,7 +222,7 @@ class WorkerCompression:
             with self.timer.phase("compaction"):
                 compact_requests(self, plan.compactions)
             self.snapshot.write(self.timer.seconds)
-        self.evicted = plan.evicted
+        self.evicted.update(plan.evicted)
         self.runner.after_compaction(so)
 
     def clear_step(self) -> None:

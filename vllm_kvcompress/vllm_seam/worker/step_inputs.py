@@ -180,38 +180,46 @@ def prepare_inputs(worker: WorkerCompression, batch: StepBatch) -> None:
         evicted_host = torch.from_numpy(offsets[:, 0].copy())
         worker.draft_slots = DraftSlots(upload(evicted_host, worker.device),
                                         upload(torch.tensor(capacity, dtype=torch.int64), worker.device), evicted_host)
-    step = step_passes(worker, req_ids, starts, num_scheduled_tokens, positions_host, physical_host)
+    step = step_passes(worker, req_ids, starts, num_scheduled_tokens, batch.num_computed, positions_host,
+                       physical_host)
     worker.step = step
     fused = torch.tensor(step.fused_rows if step is not None else [], dtype=torch.int64)
     if deltas or len(fused):
         worker.metadata_edits = MetadataEdits(num_reqs, deltas, fused, upload(fused, batch.seq_lens_device),
                                               frozenset(worker.vllm_groups))
 
-def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens, positions_host: torch.Tensor,
-                physical_host: list[torch.Tensor]) -> StepPasses | None:
+def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens, num_computed,
+                positions_host: torch.Tensor, physical_host: list[torch.Tensor]) -> StepPasses | None:
     """The step's queries to observe, mask or merge (None: none): request
     i's queries are rows starts[i]..+num_scheduled_tokens[i], at logical
-    `positions_host` and per group physical `physical_host` (host tensors)."""
+    `positions_host` (from num_computed[i] on) and per group physical
+    `physical_host` (host tensors). Per request, a few integer tests unless
+    its queries need a pass (most decode steps need none)."""
     from .attention_passes import StepPasses  # it reads the step's requests, as built here
 
     step = StepPasses(worker)
+    states, speculative = worker.states, worker.speculative
     for i, rid in enumerate(req_ids):
-        state = worker.states.get(rid)
+        state = states.get(rid)
         if state is None:
             continue
-        with worker.isolated(rid, "observation"):
-            _add_request(worker, step, i, rid, state, slice(int(starts[i]), int(starts[i]) +
-                                                             int(num_scheduled_tokens[i])),
-                                  positions_host, physical_host)
+        first, n = int(num_computed[i]), int(num_scheduled_tokens[i])
+        try:  # as `worker.isolated`, without a context manager per request and step
+            state.append_range(first, n)
+            if rid not in speculative and state.quiet(first, n):
+                continue
+            start = int(starts[i])
+            _add_request(worker, step, i, rid, state, slice(start, start + n), positions_host, physical_host)
+        except Exception as e:  # noqa: BLE001 - one request's observation, never the step
+            worker.fail(rid, "observation", e)
     return step if step.observed or step.speculative or step.masked or step.merged else None
 
 def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, state: RequestTokens,
                  sl: slice,
                      positions_host: torch.Tensor, physical_host: list[torch.Tensor]) -> None:
-    """Request i (rows `sl` of the step) into the step's observed, fused,
-    masked and merged lists, as its state asks."""
+    """Request i (rows `sl` of the step, appended to its state) into the
+    step's observed, fused, masked and merged lists, as its state asks."""
     q_log = positions_host[sl]
-    state.append(q_log)
     speculative = rid in worker.speculative
     observed = state.observed(q_log, one_at_a_time=speculative)
     masked = any(d is not None for d in state.dead)
