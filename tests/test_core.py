@@ -11,6 +11,7 @@ from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.kernels import get_ops
 from vllm_kvcompress.kernels.torch_ops import pool_scores, reduce_gqa
 from vllm_kvcompress.plan import resolve_plan
+from vllm_kvcompress.registry import POLICIES
 from vllm_kvcompress.schedule import RequestSchedule, layer_groups
 from vllm_kvcompress.scorers import Observation, hash_uniform
 from vllm_kvcompress.selection import select_keep
@@ -435,3 +436,24 @@ def test_a_scorer_is_one_module_of_the_scorers_package():
     obs = Observation(attention=None, positions=torch.arange(3).view(1, 3), num_kv_heads=1, layer=0,
                       num_compressions=0, keys=keys)
     assert Knorm().score(obs).argsort(descending=True).tolist() == [[1, 2, 0]]
+
+
+@pytest.mark.parametrize("policy", sorted(n for n in POLICIES if n not in ("none", "minicache")))
+def test_a_quiet_step_observes_nothing(policy):
+    """A step the worker passes over with integer tests (`RequestTokens.quiet`:
+    most decode steps) is one whose queries the scorer would not observe:
+    wherever `observes_any` says none, `observed` marks none; for scorers with
+    a fixed span, it says some exactly where `observed` marks some."""
+    import random
+
+    rng = random.Random(policy)
+    budget = {"budget": 12, "interval": 8} if POLICIES[policy].trigger == "decode" else {"budget": 40}
+    cfg = KVCompressConfig.from_dict({"policy": policy, **budget, "layer_groups": 2})
+    for prompt_len in (30, 120):
+        state = compression(cfg, prompt_len, num_layers=2, num_kv_heads=2, num_q_heads=4)
+        for _ in range(200):
+            state.next_due = rng.choice([None, rng.randint(0, 300)])
+            first, n = rng.randint(0, 300), rng.choice([1, 1, 4, 64])
+            observed = bool(state.observed(torch.arange(first, first + n)).any())
+            fixed = state.scorer.observe.span(prompt_len, state.scorer.window_queries(), state.next_due) is not None
+            assert state.observes_any(first, n) == observed if fixed else (observed <= state.observes_any(first, n))
