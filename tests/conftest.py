@@ -15,8 +15,6 @@ import os
 
 import pytest
 
-from helpers import Engine
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # On two xdist workers (two processes on the two cores), one OpenMP thread per
@@ -39,9 +37,13 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     # this. Engines that need both cores (tensor and data parallel) name them.
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
+        os.environ.setdefault("KVC_TEST_CORES", ",".join(map(str, cores)))  # helpers.all_cores
         core = cores[int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")) % len(cores)]
         os.sched_setaffinity(0, {core})
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(core))
+# Not before: helpers imports torch, whose OpenMP reads OMP_NUM_THREADS as it loads.
+from helpers import Engine  # noqa: E402
+
 # Without a GPU, Triton runs on CPU tensors through its interpreter (the kernel
 # tests, the GPU harness with the Triton ops). It must be set before Triton is
 # first imported, which an engine test in the same run may do: hence here.

@@ -59,6 +59,25 @@ def _interpreted_jit_warmup() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and vllm_at_least("0.34")
 
 
+@contextlib.contextmanager
+def all_cores():
+    """This test process on every core while it starts processes that need
+    them (tensor- and data-parallel engines and servers): conftest pins each
+    xdist worker to one, and its children inherit the pin."""
+    import os
+
+    cores = os.environ.get("KVC_TEST_CORES")
+    if not cores:
+        yield
+        return
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
+
+
 class Engine:
     """A started `LLM`, closed by `close()` (fixtures call it at teardown).
 
@@ -75,7 +94,8 @@ class Engine:
         import vllm_kvcompress  # noqa: F401  (LLM(kv_compress=...) keywords)
 
         if not in_process:
-            self.llm = LLM(**kwargs)
+            with all_cores():  # its processes inherit the cores it starts on
+                self.llm = LLM(**kwargs)
             return
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

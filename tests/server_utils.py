@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 import requests
+
+from helpers import all_cores
 
 VLLM = str(Path(sys.executable).with_name("vllm"))
 
@@ -31,9 +34,11 @@ class Server:
         cmd = [VLLM, "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
                *args]
+        parallel = env is not None and "VLLM_CPU_OMP_THREADS_BIND" in env  # a core per rank or engine
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        with all_cores() if parallel else contextlib.nullcontext():
+            self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
         if timeout is None:  # Model Runner V2 on CPU runs its kernels in Triton's interpreter
             timeout = 600 if os.environ.get("KVC_TEST_RUNNER") == "mrv2" else 240
         deadline = time.time() + timeout

@@ -57,8 +57,9 @@ def parallel_env(parallel: str) -> dict[str, str] | None:
     splits the node's cores between the engines (with its automatic binding)."""
     if parallel == "tp2":
         return {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    if parallel == "dp2" and vllm_at_least("0.34"):
-        return {"VLLM_CPU_SIM_MULTI_NUMA": "1"}
+    if parallel == "dp2":  # vLLM's binding over both cores (not the one this xdist worker is pinned to)
+        return {"VLLM_CPU_OMP_THREADS_BIND": "auto", **({"VLLM_CPU_SIM_MULTI_NUMA": "1"} if vllm_at_least("0.34")
+                                                        else {})}
     return None
 
 
