@@ -25,7 +25,9 @@ from vllm_kvcompress.triggers import TRIGGERS
 from vllm_kvcompress.vllm_seam.engine_args import config_from_options
 
 # "kv_compress.<field>: <problem>"; a key that cannot be a field name is quoted.
-NAMED = re.compile(r"^kv_compress\.(?:[A-Za-z_]\w*|'.*'|\".*\"|-?\d+|None): \S")
+# A field named as `limits.shown` echoes it: an integer past 30 digits cut to its first 12 and its length.
+NAMED = re.compile(r"^kv_compress\.(?:[A-Za-z_]\w*|'.*'|\".*\"|-?\d+|-?\d{1,12}\.\.\. \(\d+ digits\)|"
+                   r"an integer of about \d+ digits|None): \S")
 FIELDS = [f for f in COMMON_FIELDS if f != "policy"] + sorted(all_params()) + ["ratio", "bogus", ""]
 WORDS = sorted(POLICIES) + sorted(ALLOCATIONS) + sorted(TRIGGERS) + ["avg", "max", "mean", "snapkvv"]
 

@@ -350,7 +350,7 @@ class KVCompressScheduler(Scheduler):
                      for m in self._kvc_all_managers)
         super()._free_request_blocks(request)
         self._kvc_forecast.retire(request.request_id)
-        self._kvc_forecast_follows = -1
+        self._kvc_forecast_follows, self._kvc_forecast_last = -1, None
         self.kvc_states.pop(request.request_id, None)
         self._kvc_started.pop(request.request_id, None)
         preempted = not request.is_finished()
