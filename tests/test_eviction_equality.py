@@ -38,6 +38,7 @@ def reference(tiny_model):
     return ReferenceDecoder(tiny_model)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_policy_matches_reference(engine, reference, policy):
     prompts = random_prompts(LENGTHS, seed=POLICY_NAMES.index(policy))

@@ -63,6 +63,7 @@ def test_only_full_attention_groups_compress(engine):
     assert sorted(kinds) == ["compressed", "sliding_window", "sliding_window"], kinds
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_policy_matches_reference(engine, reference, policy):
     prompts = random_prompts((210, 97, 160, 260), seed=100 + POLICY_NAMES.index(policy))

@@ -150,6 +150,7 @@ def _triton_ops_on_cpu():
     return ops if type(module._compact_kernel).__name__ == "InterpretedFunction" else None
 
 
+@pytest.mark.extended
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the CUDA test below runs the compiled kernels")
 @pytest.mark.parametrize("configs", EVERY, ids=EVERY_ID)
 def test_paged_harness_with_triton_ops_equals_torch_ops(configs):

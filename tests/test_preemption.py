@@ -72,6 +72,7 @@ def check(engine, reference, configs, groups, seed):
     assert engine.stats()["free_blocks"] == engine.stats()["total_blocks"]
 
 
+@pytest.mark.extended
 def test_every_policy_survives_preemption(start_engine, tiny_model, reference):
     engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", num_gpu_blocks_override=NUM_BLOCKS))
     check(engine, reference, SINGLE_GROUP, 1, seed=71)

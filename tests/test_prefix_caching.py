@@ -87,6 +87,7 @@ def blocks(n: int) -> int:
     return n // BLOCK_SIZE * BLOCK_SIZE
 
 
+@pytest.mark.extended
 def test_every_policy_answers_the_same_whatever_the_cache_holds(engine, reference):
     """Per policy: its prompt cold, again once cached whole, another prompt
     whose first half was cached, and the conversation's next turn (prompt +

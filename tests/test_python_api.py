@@ -67,6 +67,7 @@ def test_bad_python_config_fails_before_the_engine_starts(tiny_model, kwargs, ne
     assert needle in str(e.value)
 
 
+@pytest.mark.extended
 def test_additional_config_works_without_importing_the_package(tiny_model, scripts):
     from kvc_tools.reference_decoder import ReferenceDecoder
     from vllm_kvcompress.config import KVCompressConfig

@@ -122,6 +122,7 @@ def test_answer_context_is_the_answer_and_what_precedes_it():
     assert context == list(range(first, context[-1] + 1))
 
 
+@pytest.mark.extended
 def test_calibration_finds_copying_heads_on_smollm2(tmp_path):
     from kvc_tools.calibrate_profile import main
     from kvc_tools.models import prepare_smollm2

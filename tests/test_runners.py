@@ -111,6 +111,7 @@ def test_stub_backend_is_discovered_through_pythonpath():
 # In process; the spawned variant (the engine core and its worker find the
 # stub through the environment alone) takes ~40 s: each spawned process
 # imports vLLM again.
+@pytest.mark.extended
 @pytest.mark.parametrize("in_process", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_mrv2_matches_v1(tiny_model, tmp_path, in_process):
     start = time.perf_counter()

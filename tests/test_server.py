@@ -35,8 +35,10 @@ ENGINE = {"policy": "snapkv", "budget": 64, "window": 8, "kernel_size": 3}
 
 # Data parallelism also on Model Runner V2: an idle rank's dummy runs build
 # attention metadata with no step of the plugin's (the tests marked mrv2).
-@pytest.fixture(scope="module", params=[pytest.param(p, marks=pytest.mark.mrv2) if p == "dp2" else p
-                                        for p in sorted(PARALLEL)])
+# Several ranks or engines: in the extended run (`.ci/run`), as every server test runs on one rank by default.
+@pytest.fixture(scope="module", params=[pytest.param(p, marks=[pytest.mark.extended, *([pytest.mark.mrv2] if p == "dp2"
+                                                                                        else [])])
+                                        if p != "tp1" else p for p in sorted(PARALLEL)])
 def server(request, tiny_model, tmp_path_factory):
     # Prefix caching on (vLLM's default): a repeated prompt hits it (reported
     # in the usage), and its answer is the same.

@@ -117,6 +117,7 @@ def speculating(request, smollm2, without_speculation):
     engine.close()
 
 
+@pytest.mark.extended
 def test_speculation_gives_the_tokens_of_the_same_compression(speculating, without_speculation, batch):
     rows = rows_for(speculating.proposer, batch)
     prompts, settings = [batch[0][i] for i in rows], [batch[1][i] for i in rows]
@@ -132,6 +133,7 @@ def test_speculation_gives_the_tokens_of_the_same_compression(speculating, witho
     assert stats["free_blocks"] == stats["total_blocks"], "blocks were not returned to the pool"
 
 
+@pytest.mark.extended
 def test_prefix_cache_hits_inside_speculative_runs(speculating, without_speculation, batch):
     """The same prompts again: hits from the prefix cache (capped where each
     request's scorer observes), the same tokens."""
@@ -146,6 +148,7 @@ def test_prefix_cache_hits_inside_speculative_runs(speculating, without_speculat
                                             f"the tokens"
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", ["ngram", "draft_model"])
 def test_preempted_and_chunked_speculative_runs(name, smollm2, without_speculation, batch):
     """A cache too small for the batch (preemptions: resumed requests replay
@@ -169,6 +172,7 @@ def test_preempted_and_chunked_speculative_runs(name, smollm2, without_speculati
                                             f"changed the tokens"
 
 
+@pytest.mark.extended
 @requires_cpu_fp8
 def test_speculation_on_an_fp8_cache(smollm2, batch):
     """fp8 x compression x speculation: drafts verified over an fp8 cache keep

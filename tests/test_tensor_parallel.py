@@ -97,6 +97,7 @@ def test_tensor_parallel_equals_one_device(tp1, tp2, model):
     assert end["free_blocks"] == end["total_blocks"]
 
 
+@pytest.mark.extended
 def test_prefix_cache_hits_on_two_ranks(tp1, tp2):
     """Prompts sent again on TP=2 hit its prefix cache, compress the hit on
     both ranks and answer as TP=1 (prefix caching off) does cold."""
@@ -109,6 +110,7 @@ def test_prefix_cache_hits_on_two_ranks(tp1, tp2):
     assert [t for t, _ in first] == want == [t for t, _ in again]
 
 
+@pytest.mark.extended
 def test_abort_and_preemption_leave_the_pool_whole(tp2):
     from vllm import SamplingParams
 
@@ -130,6 +132,7 @@ def test_abort_and_preemption_leave_the_pool_whole(tp2):
     assert end["free_blocks"] == end["total_blocks"]
 
 
+@pytest.mark.extended
 def test_a_draft_model_on_two_ranks(tp1, model):
     """Speculative decoding with a draft model on TP=2: the tiny Llama cut to
     its first 3 layers drafts (split over the ranks as the target), each

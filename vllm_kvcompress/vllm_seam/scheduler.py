@@ -79,7 +79,8 @@ class KVCompressScheduler(Scheduler):
         self._kvc_forecast = GrowthForecast(self.kvc_block_size, len(self.kvc_layers.vllm_groups),
                                             self.max_num_scheduled_tokens)
         self._kvc_step = 0
-        self._kvc_forecast_follows, self._kvc_forecast_last = -1, None
+        self._kvc_forecast_follows = -1
+        self._kvc_forecast_last = None
         # Requests with a plan that verified drafts in the last step: the
         # workers learn their accepted length in the next step's plan.
         self._kvc_speculated: set[str] = set()
