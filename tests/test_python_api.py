@@ -83,6 +83,7 @@ def test_additional_config_works_without_importing_the_package(tiny_model, scrip
 
 
 @pytest.mark.mrv2
+@pytest.mark.extended
 def test_plugin_is_inert_without_kv_compress(start_engine, tiny_model, scripts):
     """Installed but not configured: token-for-token what vLLM gives without the plugin."""
     engine = start_engine(**engine_kwargs(tiny_model))

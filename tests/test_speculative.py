@@ -228,6 +228,7 @@ def mrv2_without_speculation(smollm2, batch):
 
 
 @pytest.mark.mrv2
+@pytest.mark.extended
 @pytest.mark.skipif(os.environ.get("KVC_TEST_RUNNER") != "mrv2", reason="V1: the tests above")
 @pytest.mark.parametrize("name", ["ngram", "draft_model"])
 def test_speculation_on_model_runner_v2(name, smollm2, batch, mrv2_without_speculation):
