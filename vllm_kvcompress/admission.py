@@ -153,9 +153,6 @@ class GrowthForecast:
         self._held = 0  # blocks the running requests hold
         self.updates = self.rebuilds = 0  # shares brought up to date, and rebuilt for it
 
-    def __len__(self) -> int:
-        return len(self._shares)
-
     def timeline(self, outlook: Outlook, running: bool) -> Timeline:
         return Timeline.of(outlook, running, self.block_size, self.num_groups, self.max_num_scheduled_tokens)
 
