@@ -97,7 +97,6 @@ def start_engine():
 # first so that the two workers finish together; the rest follow in their
 # usual order. Only the order changes, never what runs.
 LONGEST_FIRST = (
-    "test_version_window.py",  # nine processes importing vLLM, a server among them: ~140 s
     "test_cli.py",  # the real `vllm` commands, run at once: ~70 s
     "test_server.py",  # a server, its tests: ~70 s
     "test_tensor_parallel.py",  # a TP 2 engine (spawned core and workers): ~65 s

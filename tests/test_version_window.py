@@ -87,6 +87,7 @@ def runs(tiny_model, tmp_path_factory):
             server.result().stop()
 
 
+@pytest.mark.extended  # nine processes importing vLLM: the extended run and the 0.34 leg
 def test_outside_the_window_vllm_runs_as_without_the_plugin(runs):
     outside = runs["outside"].result()
     assert tokens_of(outside) == tokens_of(runs["without_plugin"].result())
@@ -95,6 +96,7 @@ def test_outside_the_window_vllm_runs_as_without_the_plugin(runs):
     assert len(warnings) == 1 and OUTSIDE in warnings[0] and "0.32" in warnings[0], warnings
 
 
+@pytest.mark.extended  # nine processes importing vLLM: the extended run and the 0.34 leg
 def test_a_seam_that_does_not_import_leaves_vllm_untouched(runs):
     """Whatever fails while the seam installs (here a vLLM module it imports
     raises ImportError), vLLM runs exactly as without the plugin: the same
@@ -111,6 +113,7 @@ def test_a_seam_that_does_not_import_leaves_vllm_untouched(runs):
     assert "unrecognized arguments: --kv-compress snapkv" in serve.stderr and "Traceback" not in serve.stderr
 
 
+@pytest.mark.extended  # nine processes importing vLLM: the extended run and the 0.34 leg
 def test_outside_the_window_a_server_serves_as_without_the_plugin(runs):
     server = runs["outside_server"].result()
     expected = tokens_of(runs["without_plugin"].result())
@@ -130,6 +133,7 @@ def test_outside_the_window_a_server_serves_as_without_the_plugin(runs):
     assert "kv_compress worker ready" not in log and "kv_compress enabled" not in log
 
 
+@pytest.mark.extended  # nine processes importing vLLM: the extended run and the 0.34 leg
 @pytest.mark.parametrize("run, version, needle", [
     ("outside_serve_compress", OUTSIDE, "vllm-kvcompress supports vLLM 0.32, 0.34 (tested)"),
     ("untested_serve_compress", UNTESTED, "VLLM_KVCOMPRESS_ALLOW_UNTESTED_VLLM=1"),
@@ -144,6 +148,7 @@ def test_compression_is_refused_in_one_line(runs, run, version, needle):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.extended  # nine processes importing vLLM: the extended run and the 0.34 leg
 def test_llm_asking_for_compression_outside_the_window_fails_at_startup(runs):
     out = runs["outside_llm_compress"].result()
     assert out.returncode != 0
