@@ -233,7 +233,8 @@ class RequestSchedule:
         """Most tokens each KV cache group holds once past its prompt's
         compression, computing up to `total_len` tokens (None: compression
         off, all of them): the budget plus every output under 'once', plus an
-        interval under a rolling trigger. For the admission's timeline."""
+        interval under a rolling trigger. Admission reads the same as lines
+        (`holds_after_prompt`); this is their value at one length."""
         holds = self.holds_after_prompt()
         return None if holds is None else tuple(max(0, hold.at(total_len)) for hold in holds)
 
