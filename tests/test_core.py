@@ -237,6 +237,46 @@ def test_planner_streams_a_prompt_in_chunks():
     {"policy": "h2o", "budget": 64, "interval": 8},
     {"policy": "snapkv", "budget": 64},
     {"policy": "streamingllm", "budget": 48, "prompt_chunk": 40},
+    {"policy": "rkv", "budget": 24, "interval": 8},  # trigger decode
+    {"policy": "snapkv-span-window", "budget": 32, "decode_window": 24, "interval": 8},
+    {"policy": "tova", "allocation": "pyramid", "budget": 64, "layer_groups": 4},
+    {"policy": "adaptive", "budget": 48, "layer_groups": 2},
+])
+def test_a_quiet_request_is_passed_over_exactly_where_nothing_is_due(config):
+    """The scheduler passes a request over with one comparison while its
+    length is below `quiet_below`: at every length, with reported budgets,
+    the cached schedule compresses and says `next_due` exactly as one whose
+    cache is cleared before each call (the rules computed afresh)."""
+    import copy
+    import random
+
+    rng = random.Random(str(config))
+    cfg = KVCompressConfig.from_dict(config)
+    groups = layer_groups(4, cfg.num_layer_groups)
+    for prompt_len in (20, 150, 300):
+        state = RequestSchedule.create(plan(cfg, prompt_len, 4), groups)
+        logical, passed_over = 0, 0
+        while logical < prompt_len + 300:
+            if state.budgets_pending and logical >= prompt_len:  # the worker's report at prefill end
+                state.set_layer_budgets([rng.randint(8, 64) for _ in range(4)])
+            fresh = copy.deepcopy(state)
+            fresh.quiet_below, fresh._room = 0, None
+            passed_over += logical < state.quiet_below
+            assert state.next_due(logical) == fresh.next_due(logical), logical
+            targets = state.next_compression(logical)
+            assert targets == fresh.next_compression(logical), logical
+            if targets is not None:
+                state.commit(logical, targets)
+            cap = state.tokens_until_due(logical)
+            chunk = 1 if logical >= prompt_len else min(rng.choice([1, 7, 64, 512]), prompt_len - logical)
+            logical += max(1, chunk if cap is None else min(chunk, cap))
+        assert passed_over > 200
+
+
+@pytest.mark.parametrize("config", [
+    {"policy": "h2o", "budget": 64, "interval": 8},
+    {"policy": "snapkv", "budget": 64},
+    {"policy": "streamingllm", "budget": 48, "prompt_chunk": 40},
     {"policy": "tova", "allocation": "pyramid", "budget": 64, "layer_groups": 4},
     {"policy": "h2o", "budget": 400},  # prompt within budget: compressed only while decoding
 ])

@@ -13,6 +13,7 @@ vLLM's `num_computed_tokens`); *physical* counts the cache slots it holds.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from .plan import CompressionPlan
@@ -52,13 +53,21 @@ class RequestSchedule:
     # The allocation derives layer budgets from the prompt's attention: the
     # worker reports them at prefill end (`set_layer_budgets`).
     budgets_pending: bool = False
+    # Past its prompt's compression, no length below this one compresses, as
+    # things stand (set by `next_compression`, reset by any change of lengths
+    # or budgets): the scheduler's per-step test of a request between its
+    # compressions is one comparison (hundreds run at once).
+    quiet_below: int = field(default=0, compare=False)
+    _room: int | None = field(default=None, compare=False, repr=False)  # `_room_after_prompt`, cached
 
     @classmethod
     def create(cls, plan: CompressionPlan | None, group_of_layer: list[int] | None = None) -> RequestSchedule:
         """`group_of_layer`: the engine's layer -> KV cache group map (default: one group)."""
         group_of_layer = group_of_layer or [0]
         state = cls(plan=plan, group_of_layer=group_of_layer, num_evicted=[0] * (max(group_of_layer) + 1))
-        if plan is not None:
+        if plan is None:
+            state.quiet_below = NEVER
+        else:
             if len(plan.layer_budgets) != len(group_of_layer):
                 raise ValueError(f"kv_compress: a plan for {len(plan.layer_budgets)} layers on "
                                  f"{len(group_of_layer)} layers")
@@ -81,6 +90,7 @@ class RequestSchedule:
             raise ValueError(f"kv_compress: {len(per_layer)} layer budgets for {len(self.group_of_layer)} layers")
         self.budgets = self._group_budgets(per_layer)
         self.budgets_pending = False
+        self.quiet_below, self._room = 0, None
 
     def physical(self, logical_len: int) -> tuple[int, ...]:
         return tuple(logical_len - e for e in self.num_evicted)
@@ -92,6 +102,8 @@ class RequestSchedule:
         once per scheduling step; returns None when nothing is to be evicted.
         """
         if self.plan is None or self.budgets is None:
+            return None
+        if logical_len < self.quiet_below and self.prefill_checked and logical_len >= self.plan.prompt_len:
             return None
         physical = self.physical(logical_len)
         over = [p - b for p, b in zip(physical, self.budgets)]
@@ -106,11 +118,26 @@ class RequestSchedule:
             self.prefill_checked = True
             return targets if max(over) > 0 else None
         if not self.plan.trigger.repeats():  # compressed at its prompt's end, if at all: never again
+            self.quiet_below = NEVER
             return None
         budgets = self._budgets_after_prompt()
         over = [p - b for p, b in zip(physical, budgets)]
         targets = tuple(min(p, b) for p, b in zip(physical, budgets))
-        return targets if self.plan.trigger.due_after_prompt(max(over), self.plan.interval) else None
+        if self.plan.trigger.due_after_prompt(max(over), self.plan.interval):
+            return targets
+        # Not due until the first group is an interval past its budget
+        # (tests/test_core.py checks the two rules agree).
+        self.quiet_below = self._room_after_prompt()
+        return None
+
+    def _room_after_prompt(self) -> int:
+        """The logical length at which a repeating trigger next compresses
+        past the prompt: where the first KV cache group is an interval past
+        the budget it compresses back to."""
+        if self._room is None:
+            assert self.plan is not None
+            self._room = min(b + e + self.plan.interval for b, e in zip(self._budgets_after_prompt(), self.num_evicted))
+        return self._room
 
     def _budgets_after_prompt(self) -> tuple[int, ...]:
         """Per group, what a request past its prompt compresses back to (the trigger's rule)."""
@@ -147,6 +174,8 @@ class RequestSchedule:
         if self.plan is None or self.budgets is None:
             return None
         trigger, prompt_len = self.plan.trigger, self.plan.prompt_len
+        if logical_len < self.quiet_below and self.prefill_checked and logical_len >= prompt_len:
+            return None if self.quiet_below == NEVER else self.quiet_below  # as below, cached
         if logical_len < prompt_len:
             chunk = trigger.chunk_size()
             if chunk:  # streamed: the next chunk end, or the prompt's end
@@ -156,8 +185,7 @@ class RequestSchedule:
         if not trigger.repeats():
             return None
         # Past the prompt's compression: when the first group is an interval past its budget.
-        room = min(b + e + self.plan.interval for b, e in zip(self._budgets_after_prompt(), self.num_evicted))
-        return max(room, logical_len)
+        return max(self._room_after_prompt(), logical_len)
 
     def longest_prefix_hit(self) -> int | None:
         """Most leading tokens the request may take from vLLM's prefix cache
@@ -260,3 +288,7 @@ class RequestSchedule:
         """Record a compression to these physical lengths."""
         self.num_evicted = [logical_len - t for t in targets]
         self.num_compressions += 1
+        self.quiet_below, self._room = 0, None
+
+
+NEVER = sys.maxsize  # `quiet_below` of a request that never compresses again

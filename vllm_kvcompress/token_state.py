@@ -105,6 +105,7 @@ class RequestTokens:
         # Per-head budgets: [Hkv, n] slots of the kept part that hold no token
         # of that head (attention masks them); None: every slot is live.
         self.dead: list[torch.Tensor | None] = [None] * num_layers
+        self._num_dead = 0  # layers with a mask in `dead` (the step's per-request test reads this)
         self._dead_after: dict[int, torch.Tensor | None] = {}  # selected, not yet compacted
         # Merge stage: upper layer -> lower layer of each merged pair; a pair
         # selects once, from its two layers' summed scores (they must keep
@@ -117,16 +118,12 @@ class RequestTokens:
         # drafts, per layer, held until the scheduler says how many of its
         # tokens were accepted (`settle`); a rejected draft's query is never scored.
         self.speculative: dict[int, SpeculativeQueries] = {}
+        # Whether any query's attention can still influence a compression
+        # (fixed by the plan): compressing once, a prompt within budget is never compressed.
+        self.needs_attention = self.scorer.observe.attends() and (plan.trigger.repeats() or plan.compresses_prompt)
+        self._span_of: tuple[int | None, tuple[int, int] | None] | None = None  # (next_due, its span), cached
 
     # ------------------------------------------------------------ observing
-
-    @property
-    def needs_attention(self) -> bool:
-        """Whether any query's attention can still influence a compression."""
-        if not self.scorer.observe.attends():
-            return False
-        # Compressing once, a prompt within budget is never compressed.
-        return self.plan.trigger.repeats() or self.plan.compresses_prompt
 
     def observed(self, q_positions: torch.Tensor, one_at_a_time: bool = False) -> torch.Tensor:
         """Bool mask over this step's queries (logical positions) to observe.
@@ -148,7 +145,12 @@ class RequestTokens:
         request with nothing to observe costs no tensor work."""
         if not self.needs_attention:
             return False
-        span = self.scorer.observe.span(self.plan.prompt_len, self.scorer.window_queries(), self.next_due)
+        cached = self._span_of
+        if cached is not None and cached[0] == self.next_due:
+            span = cached[1]
+        else:
+            span = self.scorer.observe.span(self.plan.prompt_len, self.scorer.window_queries(), self.next_due)
+            self._span_of = (self.next_due, span)
         if span is None:
             return True
         return max(first, span[0], self.plan.protected_len) < min(first + n, span[1])
@@ -156,7 +158,12 @@ class RequestTokens:
     def quiet(self, first: int, n: int) -> bool:
         """Whether the step's queries [first, first + n) need no attention
         pass: none observed, no head with dead slots, no merged layer."""
-        return not self.merged and not self.observes_any(first, n) and all(d is None for d in self.dead)
+        return not self.merged and not self.masks_heads and not self.observes_any(first, n)
+
+    @property
+    def masks_heads(self) -> bool:
+        """Whether some layer has per-head dead slots (`dead`) its attention masks."""
+        return self._num_dead > 0
 
     def append(self, q_positions: torch.Tensor) -> None:
         """New tokens entered the cache (same positions in every layer/head)."""
@@ -378,7 +385,9 @@ class RequestTokens:
         """Move this layer's bookkeeping the way its K/V were moved."""
         positions = self.positions(layer)
         self._kept[layer] = torch.gather(positions, 1, keep_idx)
+        self._num_dead -= self.dead[layer] is not None
         self.dead[layer] = self._dead_after.pop(layer, None)  # every later step masks with it
+        self._num_dead += self.dead[layer] is not None
         acc = self.attention[layer]
         if acc is not None:
             acc = _pad_tokens(acc, positions.shape[-1])

@@ -84,6 +84,14 @@ class KVCompressScheduler(Scheduler):
         # Requests with a plan that verified drafts in the last step: the
         # workers learn their accepted length in the next step's plan.
         self._kvc_speculated: set[str] = set()
+        # Requests with a plan, and the next_due each one's workers last got
+        # (StepPlan.next_due carries only changes).
+        self._kvc_planned: set[str] = set()
+        self._kvc_due_sent: dict[str, int | None] = {}
+        # Inside update_from_output, requests that end leave the /metrics
+        # snapshot to its end (one write a step, however many ended).
+        self._kvc_updating = False
+        self._kvc_snapshot_due = False
         self._kvc_snapshot = SnapshotWriter("scheduler")
         self._kvc_ratios = RatioHistogram()  # finished compressed requests, for /metrics
         managers = self.kv_cache_manager.coordinator.single_type_managers
@@ -133,6 +141,8 @@ class KVCompressScheduler(Scheduler):
                     plan = None
             state = RequestSchedule.create(plan, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
+            if plan is not None:
+                self._kvc_planned.add(rid)
             cap = state.max_physical(request.num_tokens)
             for manager in self._kvc_managers:
                 manager.set_admission_cap(request.request_id, cap)
@@ -155,7 +165,11 @@ class KVCompressScheduler(Scheduler):
         # Blocks the step's compactions release, freed once all of them have
         # their fresh blocks (`release_evicted`).
         released: list = []
+        states = self.kvc_states
         for request in list(self.running):
+            state = states.get(request.request_id)
+            if state is not None and request.num_computed_tokens < state.quiet_below:
+                continue  # between its compressions (most requests, most steps): nothing is due
             try:
                 op = self._plan_compression(request, released)
             except Exception as e:  # noqa: BLE001 - one request's compaction, never the engine
@@ -220,17 +234,31 @@ class KVCompressScheduler(Scheduler):
         self._kvc_started.clear()
         # The workers keep each request's evicted counts: only this step's compactions change them.
         evicted = {op.request_id: tuple(self.kvc_states[op.request_id].num_evicted) for op in ops}
-        # Where each next compresses, from the lengths before this step's tokens.
-        next_due = {rid: self.kvc_states[rid].next_due(self.requests[rid].num_computed_tokens - n)
-                    for rid, n in output.num_scheduled_tokens.items()
-                    if rid in self.kvc_states and self.kvc_states[rid].plan is not None}
-        self._kvc_speculated = {rid for rid in output.scheduled_spec_decode_tokens
-                                if rid in self.kvc_states and self.kvc_states[rid].plan is not None}
-        attach_step_plan(output, StepPlan(started=started, compactions=ops, evicted=evicted, next_due=next_due,
-                                          settled=settled, compressing=bool(next_due)))
+        scheduled = output.num_scheduled_tokens
+        planned = self._kvc_planned
+        self._kvc_speculated = {rid for rid in output.scheduled_spec_decode_tokens if rid in planned}
+        attach_step_plan(output, StepPlan(started=started, compactions=ops, evicted=evicted,
+                                          next_due=self._next_due_changes(scheduled), settled=settled,
+                                          compressing=not planned.isdisjoint(scheduled)))
         if ops:
             self._write_snapshot()
         return output
+
+    def _next_due_changes(self, scheduled: dict[str, int]) -> dict[str, int | None]:
+        """Where each scheduled request with a plan next compresses, from its
+        length before this step's tokens, for those whose workers have
+        another value (or none yet): between its compressions a request
+        keeps its value."""
+        states, requests, sent = self.kvc_states, self.requests, self._kvc_due_sent
+        changes = {}
+        for rid, n in scheduled.items():
+            state = states.get(rid)
+            if state is None or state.plan is None:
+                continue
+            due = state.next_due(requests[rid].num_computed_tokens - n)
+            if rid not in sent or sent[rid] != due:
+                changes[rid] = sent[rid] = due
+        return changes
 
     def update_from_output(self, scheduler_output, model_runner_output):
         # Budgets decided from a prompt's attention (adaptive, per_head): the
@@ -248,11 +276,17 @@ class KVCompressScheduler(Scheduler):
             dropped = {i for i, rid in enumerate(model_runner_output.req_ids) if rid in failing}
             model_runner_output.sampled_token_ids = [[] if i in dropped else list(t) for i, t in
                                                      enumerate(model_runner_output.sampled_token_ids)]
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        errors, self._kvc_errors = self._kvc_errors, []
-        if failed:
-            errors += [(r.request_id, r.client_index)
-                       for r in self.finish_requests(failed, RequestStatus.FINISHED_ERROR)]
+        self._kvc_updating = True
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+            errors, self._kvc_errors = self._kvc_errors, []
+            if failed:
+                errors += [(r.request_id, r.client_index)
+                           for r in self.finish_requests(failed, RequestStatus.FINISHED_ERROR)]
+        finally:
+            self._kvc_updating = False
+        if self._kvc_snapshot_due:
+            self._write_snapshot()
         for rid, client in errors:
             # What vLLM sends for its own per-request errors: the client's
             # request ends with finish_reason "error" (HTTP 500 for that request).
@@ -291,7 +325,7 @@ class KVCompressScheduler(Scheduler):
             # Growth-aware admission: it waits (with every waiting request
             # behind it, on 0.32) until the running set's growth leaves room.
             return 0
-        state = self._request_state(request)
+        state = self.kvc_states.get(request.request_id) or self._request_state(request)
         if num_new_tokens <= 1 and state.plan is not None and num_computed_tokens >= state.plan.prompt_len:
             return num_new_tokens  # past its prompt, a step may always compute a token (`tokens_until_due`)
         cap = state.tokens_until_due(num_computed_tokens)
@@ -338,10 +372,13 @@ class KVCompressScheduler(Scheduler):
                        schedule=state if state is not None else _UNPLANNED)
 
     def _write_snapshot(self) -> None:
+        self._kvc_snapshot_due = False
+        if not self._kvc_snapshot.enabled:
+            return
         data = self.kvc_stats.snapshot(self.kv_cache_manager.block_pool.get_num_free_blocks(), per_request=False)
         data["ratio_histogram"] = self._kvc_ratios.to_dict()
         # Exact when the engine goes idle; throttled while it is busy.
-        idle = all(r.is_finished() for r in self.running) and not self.waiting
+        idle = not self.waiting and all(r.is_finished() for r in self.running)
         self._kvc_snapshot.write(data, force=idle)
 
     def _free_request_blocks(self, request) -> None:
@@ -354,12 +391,17 @@ class KVCompressScheduler(Scheduler):
         self._kvc_forecast_follows, self._kvc_forecast_last = -1, None
         self.kvc_states.pop(request.request_id, None)
         self._kvc_started.pop(request.request_id, None)
+        self._kvc_planned.discard(request.request_id)
+        self._kvc_due_sent.pop(request.request_id, None)
         preempted = not request.is_finished()
         r = self.kvc_stats.finish(request.request_id, preempted=preempted, blocks_held=held)
         if r is not None and r.compressions and not preempted:
             self._kvc_ratios.observe(r.tokens_evicted / (r.tokens_evicted + r.tokens_kept))
         if r is not None:
-            self._write_snapshot()
+            if self._kvc_updating:
+                self._kvc_snapshot_due = True
+            else:
+                self._write_snapshot()
         if r is not None and r.compressions:
             logger.info(
                 "kv_compress %s %s: prompt %d tokens, evicted %d in %d compression(s), freed %d blocks, "

@@ -222,7 +222,7 @@ def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, 
     q_log = positions_host[sl]
     speculative = rid in worker.speculative
     observed = state.observed(q_log, one_at_a_time=speculative)
-    masked = any(d is not None for d in state.dead)
+    masked = state.masks_heads
     if observed.any() and speculative:
         # Verifying drafts: its observed queries wait until the scheduler
         # says which were accepted (speculation.py).
