@@ -54,9 +54,11 @@ class StepPlan:
     # logical - physical length per KV cache group of each request compacted
     # in this step; the workers keep the others' (none: 0) until it ends or is preempted.
     evicted: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # The logical length at which each scheduled request with a plan next
+    # The logical length at which a scheduled request with a plan next
     # compresses (None: never), as its schedule says after this step's
-    # compactions: the workers observe up to it (R-KV's window).
+    # compactions: the workers observe up to it (R-KV's window). Only where
+    # it changed (a compaction, new budgets, a request's first step): the
+    # workers keep each request's last value.
     next_due: dict[str, int | None] = field(default_factory=dict)
     # Speculative decoding: each request whose last step verified drafts, and
     # its logical length now (its rejected drafts leave the workers' state

@@ -87,7 +87,7 @@ class RequestTokens:
         self.num_compressions = 0
         self.logical_len = 0  # tokens appended
         # Where the next compression is due (None: none is): the scheduler's
-        # schedule says, every step (StepPlan.next_due); R-KV observes the
+        # schedule says, whenever it changes (StepPlan.next_due); R-KV observes the
         # window of queries before it (Observe.RECENT).
         self.next_due: int | None = None
         # Positions per layer = what the last compaction kept ([Hkv, n], per
