@@ -28,6 +28,7 @@ timed directly.
     python benchmarks/host_cost.py                         # 64 256 512 1024, ~25 min on 2 cores
     python benchmarks/host_cost.py --running 256 --configs vanilla snapkv-span
     python benchmarks/host_cost.py --plot                  # redraw the plot from the JSON
+    python benchmarks/host_cost.py --trim-seconds 1 --out benchmarks/results/host_cost_trims  # heap trims under load
 
 Writes `benchmarks/results/host_cost.{json,md,svg}`.
 """
@@ -59,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--running", type=int, nargs="+", default=[64, 256, 512, 1024])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--trim-seconds", type=float, default=None,
+                   help="VLLM_KVCOMPRESS_TRIM_SECONDS for the plugin's workers (default: the plugin's, 30 s, "
+                        "longer than a run: 1 trims under load)")
     p.add_argument("--plot", action="store_true", help="only redraw the plot and table from the JSON")
     p.add_argument("--out", default=str(RESULTS / "host_cost"))
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: config:running
@@ -135,13 +139,18 @@ def run_one(args) -> dict:
         if "schedule" in current:
             steps.append({**{k: 0.0 for k in times}, **current, "running": len(core.scheduler.running)})
     wall = time.perf_counter() - start
+    worker = getattr(runner, state.WORKER_KEY, None)  # the plugin's worker state (vanilla: none)
+    heap = worker.heap if worker is not None else None
     for s in steps:
         s["host"] = s["execute"] + s["sample"] - s["forward"] - s["compaction"]
         s["kernels"] = s["scoring"] + s["compaction"]
         s["added"] = s["schedule"] + s["update"] + s["host"]
     full = [s for s in steps if s["running"] >= running * 0.9]  # every request running
     out = {"config": name, "running": running, "wall_s": wall, "steps": len(steps), "full_steps": len(full),
-           "new_tokens": args.new_tokens}
+           "new_tokens": args.new_tokens,
+           # The worker's heap trims in the run (inside "host"): count, slowest, all (ms).
+           "heap_trims": heap.trims if heap else 0, "heap_trim_max_ms": 1e3 * heap.longest if heap else 0.0,
+           "heap_trim_total_ms": 1e3 * heap.seconds if heap else 0.0}
     for key in ("schedule", "update", "host", "kernels", "added", "forward", "step"):
         values = [1e3 * s[key] for s in steps]
         out[key] = {"median_ms": statistics.median(values), "p99_ms": _percentile(values, 0.99),
@@ -155,7 +164,10 @@ def run_all(args) -> list[dict]:
     for running in args.running:
         for name in args.configs:
             cmd = [sys.executable, __file__, "--one", f"{name}:{running}", "--new-tokens", str(args.new_tokens)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            env = dict(os.environ)
+            if args.trim_seconds is not None:
+                env["VLLM_KVCOMPRESS_TRIM_SECONDS"] = str(args.trim_seconds)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode or not lines:
                 sys.stderr.write(proc.stderr[-3000:])
@@ -172,8 +184,8 @@ def run_all(args) -> list[dict]:
 def table(results: list[dict]) -> str:
     vanilla = {r["running"]: r for r in results if r["config"] == "vanilla"}
     rows = ["| running | config | schedule() median / p99 / max (ms) | vs vanilla median / p99 | update (ms) | "
-            "worker host (ms) | added host per step (ms, median) | vs vanilla step | kernels (ms) | "
-            "step median (ms) | wall (s) |", "|" + "---|" * 11]
+            "worker host (ms) | added host per step (ms, median) | vs vanilla step | added max (ms) | "
+            "heap trims (n, slowest ms) | kernels (ms) | step median (ms) | wall (s) |", "|" + "---|" * 13]
     for r in results:
         v = vanilla.get(r["running"])
         s = r["schedule"]
@@ -183,8 +195,9 @@ def table(results: list[dict]) -> str:
         share = f"{100 * added / v['step']['median_ms']:+.1f}%" if v and r is not v else ""
         rows.append(f"| {r['running']} | {r['config']} | {s['median_ms']:.2f} / {s['p99_ms']:.2f} / {s['max_ms']:.1f} "
                     f"| {ratio} | {r['update']['median_ms']:.2f} | {r['host']['median_ms']:.2f} | "
-                    f"{added:+.2f} | {share} | {r['kernels']['median_ms']:.2f} | {r['step']['median_ms']:.1f} | "
-                    f"{r['wall_s']:.1f} |")
+                    f"{added:+.2f} | {share} | {r['added']['max_ms']:.1f} | "
+                    f"{r.get('heap_trims', 0)}, {r.get('heap_trim_max_ms', 0.0):.1f} | "
+                    f"{r['kernels']['median_ms']:.2f} | {r['step']['median_ms']:.1f} | {r['wall_s']:.1f} |")
     return "\n".join(rows)
 
 

@@ -69,7 +69,9 @@ fi
 $PY -c "import vllm_kvcompress.kernels as k, kvc_tools.paged_decoder; print('kernels from', k.__file__)" \
     2>&1 | tee -a "$OUT_DIR/install.txt" || exit 1
 
-PYTEST="$PY -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels"
+# Without the project's addopts: every test of these files, extended ones
+# included, in one process (the GPU machine may have no pytest-xdist).
+PYTEST="$PY -m pytest -q -p no:cacheprovider --confcutdir=tests/kernels -o addopts="
 step "kernel tests" kernel_tests.txt 240 $PYTEST tests/kernels
 if [ $CPU = 1 ]; then
     step "harness: Triton ops (interpreted) = torch ops, every configuration" paged_harness.txt 400 \

@@ -111,6 +111,7 @@ LONGEST_FIRST = (
 MRV2_EXTENDED = (
     "test_tensor_parallel.py::test_tensor_parallel_equals_one_device",
     "test_block_accounting.py::test_no_leak_with_preemption_and_aborts",
+    "test_model_families.py::test_qwen3_every_policy_matches_the_reference[qwen3-moe]",  # qwen3 stays
 )
 
 
@@ -118,7 +119,8 @@ MRV2_EXTENDED = (
 def pytest_collection_modifyitems(items):
     if RUNNER == "mrv2":
         for item in items:
-            if item.nodeid.removeprefix("tests/").split("[")[0] in MRV2_EXTENDED:
+            test = item.nodeid.removeprefix("tests/")
+            if test in MRV2_EXTENDED or test.split("[")[0] in MRV2_EXTENDED:
                 item.add_marker(pytest.mark.extended)
 
     def rank(item) -> int:

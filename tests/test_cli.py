@@ -14,11 +14,12 @@ from server_utils import VLLM
 HELP = ("serve", "--help=KVCompress")
 # Run as the real command (a process each, seconds importing vLLM): the
 # interval that once asked for a 1.6 TB buffer (tests/test_reliability.py has
-# it as a request). Every other bad flag goes through the same parser, built
-# the way the command builds it, in this process (below).
+# it as a request; the real command in the extended run), and an engine
+# refusal (below). Every bad flag also goes through the same parser, built the
+# way the command builds it, in this process (below).
 BAD_FLAGS = [
-    (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--kv-compress-interval", "100000000000"],
-     "kv_compress.interval: 100000000000 is out of range"),
+    pytest.param(["--kv-compress", "h2o", "--kv-compress-budget", "64", "--kv-compress-interval", "100000000000"],
+                 "kv_compress.interval: 100000000000 is out of range", marks=pytest.mark.extended, id="interval"),
 ]
 # Refused once the engine config is known (engine_checks.prepare_engine_args,
 # check_model), read as argument errors by `vllm serve` (engine_checks.wrap_serve_cmd):
@@ -33,7 +34,7 @@ ENGINE_REFUSALS = [
     (["--kv-compress", "h2o", "--kv-compress-budget", "2000", "--max-model-len", "1024"],
      "vllm serve: error: kv_compress.budget: 2000 is out of range; valid values: 1 .. 1024 (max_model_len)"),
 ]
-BAD_FLAGS.append(ENGINE_REFUSALS[0])
+BAD_FLAGS.append(pytest.param(*ENGINE_REFUSALS[0], id="speculative"))
 
 
 # Recipe mistakes (--kv-compress-config FILE): the file's name -> how it is
@@ -51,7 +52,8 @@ BAD_RECIPES = {
     "/dev/zero": (None, "is a character device, not a regular file"),  # would read forever
     "huge.yaml": (lambda p: p.write_text("# padding\n" * 110_000), "is larger than 1048576 bytes (1 MiB)"),
 }
-REAL_RECIPES = ("fifo", "utf16.yaml")  # also as the real command; every one through the parser below
+# Also as the real command (every one through the parser below).
+REAL_RECIPES = ["fifo", pytest.param("utf16.yaml", marks=pytest.mark.extended)]
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +82,22 @@ def bad_recipe_command(tiny_model: str, recipes: Path, name: str) -> tuple[str, 
     return bad_flag_command(tiny_model, ["--kv-compress-config", recipe_path(recipes, name)])
 
 
+def real_command(item, tiny_model: str, recipes: Path) -> tuple[str, ...]:
+    """The real `vllm` command a test of this module checks."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    if "args" in params:
+        return bad_flag_command(tiny_model, params["args"])
+    if "name" in params:
+        return bad_recipe_command(tiny_model, recipes, params["name"])
+    return HELP
+
+
 @pytest.fixture(scope="module")
-def commands(tiny_model, recipes) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
-    """The real `vllm` commands this module checks, run at once (each spends
-    its seconds importing vLLM): command -> its result."""
-    wanted = [HELP, *(bad_flag_command(tiny_model, args) for args, _ in BAD_FLAGS),
-              *(bad_recipe_command(tiny_model, recipes, name) for name in REAL_RECIPES)]
+def commands(request, tiny_model, recipes) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """The real `vllm` commands the selected tests of this module check, run
+    at once (each spends its seconds importing vLLM): command -> its result."""
+    wanted = {real_command(item, tiny_model, recipes) for item in request.session.items
+              if item.module is request.module and "commands" in item.fixturenames}
     procs = {c: subprocess.Popen([VLLM, *c], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for c in wanted}
     results = {}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,9 +37,9 @@ from .schedule import RequestSchedule, cdiv
 from .triggers import Hold
 
 
-@dataclass(frozen=True)
-class Outlook:
-    """What admission reads of one request."""
+class Outlook(NamedTuple):
+    """What admission reads of one request (a tuple: the scheduler makes one
+    per running request at each step where a request waits)."""
 
     held: int  # blocks it holds now, in the compressed KV cache groups
     computed: int  # tokens whose KV is in the cache (vLLM's num_computed_tokens)
@@ -177,8 +178,8 @@ class GrowthForecast:
         pending = outlook.total - outlook.computed
         # Everything its steps ahead depend on, in absolute steps; its blocks
         # now only matter while it prefills (after: step 0 alone).
-        key = (outlook.total - self.step, outlook.computed - self.step, outlook.final, tuple(schedule.num_evicted),
-               schedule.budgets, schedule.budgets_pending, outlook.held if pending > 1 else None)
+        key = (outlook.total - self.step, outlook.computed - self.step, outlook.final, schedule.version,
+               outlook.held if pending > 1 else None)
         share = self._shares.get(request_id)
         self.updates += 1
         if share is not None and share.key == key and share.schedule is schedule:

@@ -59,6 +59,9 @@ class RequestSchedule:
     # compressions is one comparison (hundreds run at once).
     quiet_below: int = field(default=0, compare=False)
     _room: int | None = field(default=None, compare=False, repr=False)  # `_room_after_prompt`, cached
+    # Counts the changes of lengths and budgets (admission rebuilds a
+    # request's forecast when it moves).
+    version: int = field(default=0, compare=False)
 
     @classmethod
     def create(cls, plan: CompressionPlan | None, group_of_layer: list[int] | None = None) -> RequestSchedule:
@@ -91,6 +94,7 @@ class RequestSchedule:
         self.budgets = self._group_budgets(per_layer)
         self.budgets_pending = False
         self.quiet_below, self._room = 0, None
+        self.version += 1
 
     def physical(self, logical_len: int) -> tuple[int, ...]:
         return tuple(logical_len - e for e in self.num_evicted)
@@ -289,6 +293,7 @@ class RequestSchedule:
         self.num_evicted = [logical_len - t for t in targets]
         self.num_compressions += 1
         self.quiet_below, self._room = 0, None
+        self.version += 1
 
 
 NEVER = sys.maxsize  # `quiet_below` of a request that never compresses again

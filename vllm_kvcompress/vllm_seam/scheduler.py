@@ -365,11 +365,14 @@ class KVCompressScheduler(Scheduler):
         final = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         if self.kvc_config.reserve_growth is not None:
             final = min(final, request.num_tokens + self.kvc_config.reserve_growth)
-        state = self.kvc_states.get(request.request_id)
+        rid = request.request_id
+        state = self.kvc_states.get(rid)
         # A full-attention manager's block table holds no null blocks.
-        held = sum(len(m.req_to_blocks.get(request.request_id, ())) for m in self._kvc_managers)
-        return Outlook(held=held, computed=request.num_computed_tokens, total=request.num_tokens, final=final,
-                       schedule=state if state is not None else _UNPLANNED)
+        managers = self._kvc_managers
+        held = len(managers[0].req_to_blocks.get(rid, ())) if len(managers) == 1 else \
+            sum(len(m.req_to_blocks.get(rid, ())) for m in managers)
+        return Outlook(held, request.num_computed_tokens, request.num_tokens, final,
+                       state if state is not None else _UNPLANNED)
 
     def _write_snapshot(self) -> None:
         self._kvc_snapshot_due = False

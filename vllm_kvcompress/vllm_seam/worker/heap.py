@@ -70,6 +70,7 @@ class HeapTrimmer:
         self.pending = False  # requests ended since the last trim
         self.trims = 0
         self.seconds = 0.0
+        self.longest = 0.0  # seconds, the slowest trim
 
     def after_step(self, ended: bool, idle: bool) -> bool:
         """At a step's state update: `ended`, requests ended (finished,
@@ -85,6 +86,7 @@ class HeapTrimmer:
         self.last, self.pending = self.clock(), False
         self.trims += 1
         self.seconds += took
+        self.longest = max(self.longest, took)
         level = logging.INFO if took >= SLOW_TRIM_SECONDS or self.trims == 1 else logging.DEBUG
         logger.log(level, "kv_compress: malloc_trim returned the worker's free heap in %.1f ms (%d trims, %.2f s "
                    "in all)", took * 1e3, self.trims, self.seconds)
