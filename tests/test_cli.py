@@ -12,14 +12,16 @@ import pytest
 from server_utils import VLLM
 
 HELP = ("serve", "--help=KVCompress")
-# Run as the real command (a process each, seconds importing vLLM): the
-# interval that once asked for a 1.6 TB buffer (tests/test_reliability.py has
-# it as a request; the real command in the extended run), and an engine
-# refusal (below). Every bad flag also goes through the same parser, built the
-# way the command builds it, in this process (below).
+# Run as the real command in the extended run (a process each, 15-20 s of a
+# core importing vLLM): the help, the interval that once asked for a 1.6 TB
+# buffer (tests/test_reliability.py has it as a request), an engine refusal
+# (below) and two recipes. The default run checks each through the same
+# parser, built the way the command builds it, in this process (below and
+# tests/test_reliability.py); the servers of tests/test_server.py and
+# tests/test_reliability.py are the real command, plugin loaded by its entry point.
 BAD_FLAGS = [
-    pytest.param(["--kv-compress", "h2o", "--kv-compress-budget", "64", "--kv-compress-interval", "100000000000"],
-                 "kv_compress.interval: 100000000000 is out of range", marks=pytest.mark.extended, id="interval"),
+    (["--kv-compress", "h2o", "--kv-compress-budget", "64", "--kv-compress-interval", "100000000000"],
+     "kv_compress.interval: 100000000000 is out of range"),
 ]
 # Refused once the engine config is known (engine_checks.prepare_engine_args,
 # check_model), read as argument errors by `vllm serve` (engine_checks.wrap_serve_cmd):
@@ -34,7 +36,7 @@ ENGINE_REFUSALS = [
     (["--kv-compress", "h2o", "--kv-compress-budget", "2000", "--max-model-len", "1024"],
      "vllm serve: error: kv_compress.budget: 2000 is out of range; valid values: 1 .. 1024 (max_model_len)"),
 ]
-BAD_FLAGS.append(pytest.param(*ENGINE_REFUSALS[0], id="speculative"))
+BAD_FLAGS.append(ENGINE_REFUSALS[0])
 
 
 # Recipe mistakes (--kv-compress-config FILE): the file's name -> how it is
@@ -52,8 +54,7 @@ BAD_RECIPES = {
     "/dev/zero": (None, "is a character device, not a regular file"),  # would read forever
     "huge.yaml": (lambda p: p.write_text("# padding\n" * 110_000), "is larger than 1048576 bytes (1 MiB)"),
 }
-# Also as the real command (every one through the parser below).
-REAL_RECIPES = ["fifo", pytest.param("utf16.yaml", marks=pytest.mark.extended)]
+REAL_RECIPES = ("fifo", "utf16.yaml")  # also as the real command; every one through the parser below
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +108,30 @@ def commands(request, tiny_model, recipes) -> dict[tuple[str, ...], subprocess.C
     return results
 
 
-def test_help_lists_the_flag_group(commands):
-    out = commands[HELP]
-    assert out.returncode == 0, out.stderr
+def check_help(text: str) -> None:
     for flag in ("--kv-compress ", "--kv-compress-budget", "--kv-compress-ratio", "--kv-compress-config",
                  "--kv-compress-window", "--kv-compress-sink-tokens", "--kv-compress-kernel-size",
                  "--kv-compress-pooling", "--kv-compress-interval", "--kv-compress-recent-ratio"):
-        assert flag in out.stdout, flag
-    assert "snapkv 32" in out.stdout  # each policy's default is shown
+        assert flag in text, flag
+    assert "snapkv 32" in text  # each policy's default is shown
 
 
+@pytest.mark.extended
+def test_help_lists_the_flag_group(commands):
+    out = commands[HELP]
+    assert out.returncode == 0, out.stderr
+    check_help(out.stdout)
+
+
+def test_the_parsers_help_lists_the_flag_group(capsys):
+    """`vllm serve --help=KVCompress` as the command's parser prints it."""
+    with pytest.raises(SystemExit) as e:
+        serve_parser().parse_args(["--help=KVCompress"])
+    assert e.value.code == 0
+    check_help(capsys.readouterr().out)
+
+
+@pytest.mark.extended
 @pytest.mark.parametrize("args, needle", BAD_FLAGS)
 def test_bad_flag_fails_the_real_command_with_one_line(commands, tiny_model, args, needle):
     """As vLLM's own argument errors: usage, one error line naming the field, exit 2, no traceback."""
@@ -127,6 +142,7 @@ def test_bad_flag_fails_the_real_command_with_one_line(commands, tiny_model, arg
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("name", REAL_RECIPES)
 def test_bad_recipe_fails_the_real_command_with_one_line(commands, tiny_model, recipes, name):
     """The issue's not-UTF-8 recipe (a 56-line traceback) and a FIFO (startup hung)."""

@@ -112,6 +112,7 @@ def test_prefix_cached_requests_survive_preemption(start_engine, tiny_model, ref
         assert tokens == want, f"{config} hit {cached}"
 
 
+@pytest.mark.extended  # the default run keeps preemption with prefix caching (both runners)
 def test_per_layer_budgets_survive_preemption(start_engine, tiny_model, reference):
     engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_layer_groups=NUM_LAYERS,
                                           num_gpu_blocks_override=NUM_BLOCKS * NUM_LAYERS))
