@@ -53,10 +53,13 @@ class RequestSchedule:
     # The allocation derives layer budgets from the prompt's attention: the
     # worker reports them at prefill end (`set_layer_budgets`).
     budgets_pending: bool = False
-    # Past its prompt's compression, no length below this one compresses, as
-    # things stand (set by `next_compression`, reset by any change of lengths
-    # or budgets): the scheduler's per-step test of a request between its
-    # compressions is one comparison (hundreds run at once).
+    # No length below this one compresses, as things stand: set by
+    # `next_compression` only past the prompt's compression (NEVER without a
+    # plan), reset by any change of lengths or budgets (`_changed`). A
+    # request's length never goes back past where it was set (a resumed
+    # request starts a new schedule), so `logical_len < quiet_below` is the
+    # whole test, here and in the scheduler's per-step pass over hundreds of
+    # requests: one comparison each.
     quiet_below: int = field(default=0, compare=False)
     _room: int | None = field(default=None, compare=False, repr=False)  # `_room_after_prompt`, cached
     # Counts the changes of lengths and budgets (admission rebuilds a
@@ -93,8 +96,7 @@ class RequestSchedule:
             raise ValueError(f"kv_compress: {len(per_layer)} layer budgets for {len(self.group_of_layer)} layers")
         self.budgets = self._group_budgets(per_layer)
         self.budgets_pending = False
-        self.quiet_below, self._room = 0, None
-        self.version += 1
+        self._changed()
 
     def physical(self, logical_len: int) -> tuple[int, ...]:
         return tuple(logical_len - e for e in self.num_evicted)
@@ -107,7 +109,7 @@ class RequestSchedule:
         """
         if self.plan is None or self.budgets is None:
             return None
-        if logical_len < self.quiet_below and self.prefill_checked and logical_len >= self.plan.prompt_len:
+        if logical_len < self.quiet_below:
             return None
         physical = self.physical(logical_len)
         over = [p - b for p, b in zip(physical, self.budgets)]
@@ -178,7 +180,7 @@ class RequestSchedule:
         if self.plan is None or self.budgets is None:
             return None
         trigger, prompt_len = self.plan.trigger, self.plan.prompt_len
-        if logical_len < self.quiet_below and self.prefill_checked and logical_len >= prompt_len:
+        if logical_len < self.quiet_below:
             return None if self.quiet_below == NEVER else self.quiet_below  # as below, cached
         if logical_len < prompt_len:
             chunk = trigger.chunk_size()
@@ -292,6 +294,10 @@ class RequestSchedule:
         """Record a compression to these physical lengths."""
         self.num_evicted = [logical_len - t for t in targets]
         self.num_compressions += 1
+        self._changed()
+
+    def _changed(self) -> None:
+        """Lengths or budgets changed: what was derived from them goes."""
         self.quiet_below, self._room = 0, None
         self.version += 1
 
