@@ -25,7 +25,7 @@ Each configuration runs in its own subprocess with the engine core in that
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the scheduler and the worker are
 timed directly.
 
-    python benchmarks/host_cost.py                         # 64 256 512 1024, ~25 min on 2 cores
+    python benchmarks/host_cost.py                         # 64 256 512 1024, ~8 min on 2 cores
     python benchmarks/host_cost.py --running 256 --configs vanilla snapkv-span
     python benchmarks/host_cost.py --plot                  # redraw the plot from the JSON
     python benchmarks/host_cost.py --trim-seconds 1 --out benchmarks/results/host_cost_trims  # heap trims under load
