@@ -26,6 +26,20 @@ def split_kv_cache(kv_cache: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return key_cache, value_cache
 
 
+def softmax_with_sinks(logits: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Softmax over the last dim, each row's denominator holding its head's
+    sink logit too (gpt-oss's learned attention sinks): ``p_j = exp(x_j) /
+    (sum_k exp(x_k) + exp(s))``. The sink has no value: its share of the
+    probability is attention paid to nothing, so the probabilities sum to
+    less than one, as in the model. ``sinks`` broadcasts to ``logits[..., :1]``
+    (``None``: a plain softmax). A row whose keys are all masked (-inf) gives
+    zeros, not NaN."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    sink = sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -175,6 +189,7 @@ def merged_attention(
     key_scale: torch.Tensor,
     value_slot: torch.Tensor,
     value_scale: torch.Tensor,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of one request's queries in the upper layer of a merged pair.
 
@@ -185,14 +200,17 @@ def merged_attention(
     (retained, exact), else ``key_scale[h, j]`` times the lower cache's slot ``j`` (the
     lower layer stores ``||k_lower|| d_m``, so this is ``||k_upper|| d_m``); key ``j >= T``
     is the upper cache's slot ``retained + j - T``. ``upper_len``: the slots the upper
-    cache holds. Query ``i`` sees keys ``j <= q_positions[i]``. Returns ``[n, Hq, D]``
-    float32.
+    cache holds. Query ``i`` sees keys ``j <= q_positions[i]``. ``sinks [Hq]``: each head's
+    sink logit in the softmax (:func:`softmax_with_sinks`). Returns ``[n, Hq, D]`` float32.
     """
-    _check_devices("merged_attention", query=query, q_positions=q_positions, lower_keys=lower_keys,
+    _check_devices("merged_attention", sinks=sinks, query=query, q_positions=q_positions, lower_keys=lower_keys,
                    lower_values=lower_values, lower_blocks=lower_blocks, upper_keys=upper_keys,
                    upper_values=upper_values, upper_blocks=upper_blocks, key_slot=key_slot, key_scale=key_scale,
                    value_slot=value_slot, value_scale=value_scale)
     from ..merge import restore  # the formula the merge and the reference decoder use
+    from .torch_scores import check_sinks
+
+    check_sinks("merged_attention", sinks, query.shape[1])
 
     tokens = key_slot.shape[1]
     dev = query.device
@@ -214,6 +232,7 @@ def merged_attention(
         qg = q.permute(1, 0, 2).reshape(hkv, -1, d)
         logits = torch.bmm(qg, keys.transpose(1, 2)).view(hq, m, total) * scale
         hidden = key_pos.view(1, 1, -1) > q_positions[i: i + step].view(1, -1, 1)
-        probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
+        probs = softmax_with_sinks(logits.masked_fill(hidden, float("-inf")),
+                                   None if sinks is None else sinks.view(hq, 1, 1))
         out[i: i + step] = torch.bmm(probs.view(hkv, -1, total), values).view(hq, m, d).transpose(0, 1)
     return out

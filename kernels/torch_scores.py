@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import torch_paged
-from .torch_paged import LogitsTransform, _cdiv, _check_devices, gather_dense
+from .torch_paged import LogitsTransform, _cdiv, _check_devices, gather_dense, softmax_with_sinks
 
 # ---------------------------------------------------------------------------------------
 # (a) observation-window scores (SnapKV / PyramidKV / ...)
@@ -23,6 +23,7 @@ def window_scores(
     seq_len: int,
     q_positions: torch.Tensor,
     scale: float,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention of window queries to one request's cached keys, summed over the queries.
 
@@ -30,9 +31,12 @@ def window_scores(
     sees keys ``[0, q_positions[i]]``). Returns ``[Hq, seq_len]`` float32:
     ``out[h, j] = sum_i softmax_j(q_i[h] . K[h // G, :]^T * scale)`` over visible keys.
     No GQA reduction (see :func:`reduce_gqa`), no pooling (see :func:`pool_scores`).
+    ``sinks [Hq]`` float32 (gpt-oss): each head's sink logit joins the softmax's
+    denominator (:func:`torch_paged.softmax_with_sinks`).
     """
-    _check_devices("window_scores", q_win=q_win, key_cache=key_cache, block_table_row=block_table_row,
+    _check_devices("window_scores", sinks=sinks, q_win=q_win, key_cache=key_cache, block_table_row=block_table_row,
                    q_positions=q_positions)
+    check_sinks("window_scores", sinks, q_win.shape[1])
     seq_len = int(seq_len)
     w, hq, d = q_win.shape
     hkv = key_cache.shape[2]
@@ -56,7 +60,7 @@ def window_scores(
         logits = torch.matmul(q[h0:h1], k.transpose(-1, -2)).view(h1 - h0, g, w, seq_len)
         logits.mul_(scale)
         logits.masked_fill_(hidden, float("-inf"))
-        p = torch.softmax(logits, dim=-1)
+        p = softmax_with_sinks(logits, None if sinks is None else sinks[h0 * g : h1 * g].view(h1 - h0, g, 1, 1))
         out[h0 * g : h1 * g] = p.sum(dim=-2).reshape((h1 - h0) * g, seq_len)
     return out
 
@@ -72,6 +76,7 @@ def window_scores_batched(
     out: Optional[torch.Tensor] = None,
     max_seq_len: Optional[int] = None,
     max_q_len: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Varlen batch of :func:`window_scores`.
 
@@ -98,7 +103,7 @@ def window_scores_batched(
         if cu[b + 1] == cu[b] or lens[b] == 0:
             continue
         s = window_scores(
-            q[cu[b] : cu[b + 1]], key_cache, block_tables[b], lens[b], q_positions[cu[b] : cu[b + 1]], scale
+            q[cu[b] : cu[b + 1]], key_cache, block_tables[b], lens[b], q_positions[cu[b] : cu[b + 1]], scale, sinks
         )
         out[b, :, : lens[b]] += s
     return out
@@ -164,6 +169,7 @@ def accumulate_decode_scores(
     logits_transform: LogitsTransform = None,
     lse: Optional[torch.Tensor] = None,
     max_seq_len: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Add each decode query's attention probabilities into the per-slot score buffer.
 
@@ -181,13 +187,18 @@ def accumulate_decode_scores(
     ``lse [R, Hq]`` (optional, plain transform only): natural-log sum-exp of ``x`` over
     the visible keys, e.g. flash-attn's ``softmax_lse``; then ``p = exp(x - lse)`` with no
     normalisation of its own (the Triton kernel then reads K once and needs no scratch).
+
+    ``sinks [Hq]`` float32 (gpt-oss): head ``h``'s sink logit ``s_h`` joins each softmax's
+    denominator, transformed as the logits are (``s_h / tau`` with the Gumbel transform:
+    the sink is no token, so it gets no noise). Not with ``lse`` (which would hold it).
     """
     noise, tau = _parse_transform(logits_transform)
-    _check_devices("accumulate_decode_scores", q=q, key_cache=key_cache, block_tables=block_tables,
+    _check_devices("accumulate_decode_scores", sinks=sinks, q=q, key_cache=key_cache, block_tables=block_tables,
                    seq_lens=seq_lens, scores_out=scores_out, noise=noise, tau=tau, lse=lse)
-    if lse is not None and noise is not None:
-        raise ValueError("lse is only valid without a logits transform")
+    if lse is not None and (noise is not None or sinks is not None):
+        raise ValueError("lse is only valid without a logits transform or sinks")
     nreq, hq, d = q.shape
+    check_sinks("accumulate_decode_scores", sinks, hq)
     if nreq == 0:
         return scores_out
     _, bs, hkv, _ = key_cache.shape
@@ -219,15 +230,24 @@ def accumulate_decode_scores(
         qq = q[r0:r1].to(torch.float32).reshape(n, hkv, g, d)
         x = torch.matmul(qq, keys.transpose(-1, -2)).reshape(n, hq, t) * scale  # [n, Hq, T]
         valid = (ar[None, :] < lens[r0:r1, None])[:, None, :]  # [n, 1, T]
+        sink = None if sinks is None else sinks.view(1, hq, 1)
         if noise is not None:
             assert tau_t is not None
             x = (x + noise[r0:r1, :, :t].to(torch.float32)) / tau_t[r0:r1, None, None]
+            if sink is not None:
+                sink = sink / tau_t[r0:r1, None, None]
         if lse is not None:
             p = torch.exp(x - lse[r0:r1].to(torch.float32)[..., None])
         else:
-            p = torch.softmax(x.masked_fill(~valid, float("-inf")), dim=-1)
+            p = softmax_with_sinks(x.masked_fill(~valid, float("-inf")), sink)
         scores_out[r0:r1, :, :t] += torch.where(valid, p, torch.zeros((), device=dev))
     return scores_out
+
+
+def check_sinks(op: str, sinks: Optional[torch.Tensor], num_q_heads: int) -> None:
+    """``sinks``: None, or one float32 logit per query head (shared with the Triton ops)."""
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_q_heads,)):
+        raise ValueError(f"{op}: sinks must be float32 [Hq={num_q_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
 
 
 def _check_decode_attention(
@@ -238,13 +258,14 @@ def _check_decode_attention(
     seq_lens: torch.Tensor,
     scores_out: Optional[torch.Tensor],
     max_seq_len: Optional[int],
+    sinks: Optional[torch.Tensor] = None,
 ) -> int:
     """Validate the arguments of :func:`decode_attention_with_scores` (shared with the
     Triton version, so both raise the same errors) and return the key count ``T`` the op
     covers: ``max_seq_len``, else ``max(seq_lens)`` (a host sync)."""
     op = "decode_attention_with_scores"
     _check_devices(op, q=q, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                   seq_lens=seq_lens, scores_out=scores_out)
+                   seq_lens=seq_lens, scores_out=scores_out, sinks=sinks)
     if q.dim() != 3:
         raise ValueError(f"{op}: q must be [R, Hq, D], got {tuple(q.shape)}")
     nreq, hq, d = q.shape
@@ -264,6 +285,7 @@ def _check_decode_attention(
             raise ValueError(f"{op}: scores_out must be float32, got {scores_out.dtype}")
         if scores_out.dim() != 3 or tuple(scores_out.shape[:2]) != (nreq, hq):
             raise ValueError(f"{op}: scores_out must be [R={nreq}, Hq={hq}, max_T], got {tuple(scores_out.shape)}")
+    check_sinks(op, sinks, hq)
     if nreq == 0:
         return 0
     t = int(max_seq_len) if max_seq_len is not None else int(seq_lens.max())
@@ -283,6 +305,7 @@ def decode_attention_with_scores(
     scale: float,
     scores_out: Optional[torch.Tensor],
     max_seq_len: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Paged decode attention that also adds its probabilities into the score buffer.
 
@@ -295,9 +318,11 @@ def decode_attention_with_scores(
     adds with no logits transform. One pass over K and V gives both, so a decode-time
     scorer (H2O, TOVA) needs no second ``q.K^T`` after the attention.
     ``max_seq_len`` (>= every ``seq_len``; default ``max(seq_lens)``, a host sync) bounds
-    the keys read.
+    the keys read. ``sinks [Hq]`` float32 (gpt-oss): each head's sink logit joins the
+    softmax's denominator, for the output and the scores alike (an empty row's output is 0).
     """
-    t = _check_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scores_out, max_seq_len)
+    t = _check_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scores_out, max_seq_len,
+                                sinks)
     nreq, hq, d = q.shape
     out = torch.zeros(nreq, hq, d, dtype=q.dtype, device=q.device)
     if nreq == 0 or t == 0:
@@ -326,7 +351,7 @@ def decode_attention_with_scores(
         # the same products, in the same order, as accumulate_decode_scores
         x = torch.matmul(qq, keys.transpose(-1, -2)).reshape(n, hq, t) * scale  # [n, Hq, T]
         valid = (ar[None, :] < lens[r0:r1, None])[:, None, :]  # [n, 1, T]
-        p = torch.softmax(x.masked_fill(~valid, float("-inf")), dim=-1)
+        p = softmax_with_sinks(x.masked_fill(~valid, float("-inf")), None if sinks is None else sinks.view(1, hq, 1))
         p = torch.where(valid, p, torch.zeros((), device=dev))  # an empty row's NaNs -> 0
         out[r0:r1] = torch.matmul(p.view(n, hkv, g, t), values).reshape(n, hq, d).to(q.dtype)
         if scores_out is not None:

@@ -10,18 +10,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .torch_scores import _check_decode_attention
+from .torch_scores import _check_decode_attention, check_sinks
 from .triton_common import (
     _LOG2E,
     _NEG,
     _as_i32,
     _check_cache,
     _dot_flags,
+    _fold_sinks,
     _load_kv_tile,
     _next_pow2,
     _pick_split,
     _pv,
     _qk,
+    _sinks_log2,
 )
 
 
@@ -81,14 +83,14 @@ def _decode_attn_partial_kernel(
 
 @triton.jit
 def _decode_attn_reduce_kernel(
-    seq_lens_ptr, logits_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, scores_ptr,
+    seq_lens_ptr, logits_ptr, pm_ptr, pl_ptr, pacc_ptr, out_ptr, scores_ptr, sinks_ptr,
     stride_xr, stride_xh, stride_pr, stride_ph, stride_ar, stride_ah, stride_as,
     stride_or, stride_oh, stride_sr, stride_sh,
     SPLIT_LEN, NUM_SPLITS, MAX_T,
     G: tl.constexpr, G_BLK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLK: tl.constexpr,
-    SPLITS_BLK: tl.constexpr, HAS_SCORES: tl.constexpr,
+    SPLITS_BLK: tl.constexpr, HAS_SCORES: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Combine the splits' partials into the LSE of each query head. Split 0's program
+    """Combine the splits' partials (and the sink logit, with sinks) into the LSE of each query head. Split 0's program
     writes the output; with scores, every program adds ``exp(x - lse)`` over its own
     split, reading the stored logits (not K)."""
     r = tl.program_id(0)
@@ -105,6 +107,7 @@ def _decode_attn_reduce_kernel(
     pl = tl.load(pl_ptr + prow[:, None] + offs_s[None, :], mask=pmask, other=0.0)
     m = tl.max(pm, 1)
     l = tl.sum(pl * tl.exp2(pm - m[:, None]), 1)
+    m, l = _fold_sinks(m, l, sinks_ptr, qh, g_ok, HAS_SINKS)
     l_safe = tl.where(l > 0, l, 1.0)  # l == 0 only for a request with no keys: output 0
     if sp == 0:
         offs_d = tl.arange(0, D_BLK)
@@ -141,6 +144,7 @@ def decode_attention_with_scores(
     scale: float,
     scores_out: Optional[torch.Tensor],
     max_seq_len: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
     *,
     scratch: Optional[torch.Tensor] = None,
     split_len: Optional[int] = None,
@@ -164,8 +168,10 @@ def decode_attention_with_scores(
     ``scratch``: optional preallocated logits buffer (reused across layers/steps).
     ``max_seq_len``: pass it (>= every ``seq_len``) to avoid a host sync; keys past it
     are not read. ``split_len``: keys per program (default ``T/64``, at least 512).
+    ``sinks [Hq]``: folded into launch 2's LSE (the output's and the scores' alike).
     """
-    t = _check_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scores_out, max_seq_len)
+    t = _check_decode_attention(q, key_cache, value_cache, block_tables, seq_lens, scores_out, max_seq_len,
+                                sinks)
     _check_cache(key_cache, "key_cache")
     _check_cache(value_cache, "value_cache")
     if scores_out is not None and scores_out.stride(-1) != 1:
@@ -210,12 +216,13 @@ def decode_attention_with_scores(
         G=g, G_BLK=max(16, _next_pow2(g)), BLOCK_N=block_n, HEAD_DIM=d, D_BLK=max(16, _next_pow2(d)), PAGE=page,
         **_dot_flags(key_cache.dtype), HAS_SCORES=scores_out is not None,
     )
+    sinks2, has_sinks = _sinks_log2("decode_attention_with_scores", sinks, hq, pm)
     _decode_attn_reduce_kernel[grid](
-        sl, logits, pm, pl, pacc, out, sc,
+        sl, logits, pm, pl, pacc, out, sc, sinks2,
         *x_strides, *p_strides, *a_strides, out.stride(0), out.stride(1), *s_strides,
         split, num_splits, t,
         G=g, G_BLK=_next_pow2(g), BLOCK_N=block_n, HEAD_DIM=d, D_BLK=_next_pow2(d),
-        SPLITS_BLK=max(2, _next_pow2(num_splits)), HAS_SCORES=scores_out is not None,
+        SPLITS_BLK=max(2, _next_pow2(num_splits)), HAS_SCORES=scores_out is not None, HAS_SINKS=has_sinks,
     )
     return out
 
@@ -249,14 +256,14 @@ def _merged_kv_tile(
 
 @triton.jit
 def _merged_attention_kernel(
-    q_ptr, qpos_ptr, out_ptr,
+    q_ptr, qpos_ptr, out_ptr, sinks_ptr,
     lk_ptr, lv_ptr, lbt_ptr, uk_ptr, uv_ptr, ubt_ptr,
     kslot_ptr, kscale_ptr, vslot_ptr, vscale_ptr,
     tokens, retained, scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     lk_sb, lk_ss, lk_sh, lv_sb, lv_ss, lv_sh, uk_sb, uk_ss, uk_sh, uv_sb, uv_ss, uv_sh, stride_slot,
     G: tl.constexpr, G_BLK: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_BLK: tl.constexpr, PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_BLK: tl.constexpr, PAGE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One program: the G query heads of one kv head for one query, an online
     softmax over the keys it sees (K and V read once, as the model's attention)."""
@@ -288,6 +295,12 @@ def _merged_attention_kernel(
         total = total * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m = m_new
+    if HAS_SINKS:  # each head's sink logit (natural units here) joins the denominator, no value
+        sink = tl.load(sinks_ptr + kvh * G + offs_g, mask=g_ok, other=_NEG)
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     out = acc / total[:, None]
     tl.store(out_ptr + i * stride_ot + (kvh * G + offs_g)[:, None] * stride_oh + offs_d[None, :], out,
              mask=g_ok[:, None] & d_ok[None, :])
@@ -309,6 +322,7 @@ def merged_attention(
     key_scale: torch.Tensor,
     value_slot: torch.Tensor,
     value_scale: torch.Tensor,
+    sinks: Optional[torch.Tensor] = None,
     *,
     block_n: int = 32,
 ) -> torch.Tensor:
@@ -335,8 +349,9 @@ def merged_attention(
         slots = [torch.full((hkv, 1), -1, dtype=torch.int32, device=dev)] * 2
         scales = [torch.zeros(hkv, 1, dtype=torch.float32, device=dev)] * 2
     g = hq // hkv
+    check_sinks("merged_attention", sinks, hq)
     _merged_attention_kernel[(n, hkv)](
-        q, _as_i32(q_positions, dev), out,
+        q, _as_i32(q_positions, dev), out, out if sinks is None else sinks.contiguous(),
         lower_keys, lower_values, _as_i32(lower_blocks, dev), upper_keys, upper_values, _as_i32(upper_blocks, dev),
         slots[0], scales[0], slots[1], scales[1],
         key_slot.shape[1], int(retained), float(scale),
@@ -346,5 +361,6 @@ def merged_attention(
         upper_keys.stride(0), upper_keys.stride(1), upper_keys.stride(2),
         upper_values.stride(0), upper_values.stride(1), upper_values.stride(2), slots[0].stride(0),
         G=g, G_BLK=max(16, _next_pow2(g)), BLOCK_N=block_n, HEAD_DIM=d, D_BLK=max(16, _next_pow2(d)), PAGE=page,
+        HAS_SINKS=sinks is not None,
     )
     return out

@@ -95,3 +95,27 @@ def _pv(p, v, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr):
     else:
         o = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return o
+
+
+@triton.jit
+def _fold_sinks(m, l, sinks_ptr, offs, mask, HAS_SINKS: tl.constexpr):
+    """A softmax's running (max, sum-exp) in log2 units, each row's sink logit
+    (log2 units, at ``sinks_ptr + offs``) joined to the denominator: gpt-oss's
+    learned sinks (torch_paged.softmax_with_sinks). Unchanged without sinks."""
+    if HAS_SINKS:
+        s2 = tl.load(sinks_ptr + offs, mask=mask, other=_NEG)
+        m_new = tl.maximum(m, s2)
+        l = l * tl.exp2(m - m_new) + tl.exp2(s2 - m_new)
+        m = m_new
+    return m, l
+
+
+def _sinks_log2(op: str, sinks: Optional[torch.Tensor], hq: int, fallback: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The sinks in log2 units (float32, contiguous) and whether there are any
+    (``fallback``: a placeholder pointer, never read, when there are none)."""
+    from .torch_scores import check_sinks
+
+    check_sinks(op, sinks, hq)
+    if sinks is None:
+        return fallback, False
+    return (sinks * _LOG2E).contiguous(), True

@@ -18,10 +18,12 @@ from .triton_common import (
     _as_i32,
     _check_cache,
     _dot_flags,
+    _fold_sinks,
     _load_kv_tile,
     _next_pow2,
     _pick_split,
     _qk,
+    _sinks_log2,
 )
 
 # ---------------------------------------------------------------------------------------
@@ -94,14 +96,14 @@ def _window_partial_kernel(
 
 @triton.jit
 def _window_scores_kernel(
-    q_ptr, k_ptr, bt_ptr, cu_q_ptr, qpos_ptr, seq_lens_ptr, pm_ptr, pl_ptr, out_ptr,
+    q_ptr, k_ptr, bt_ptr, cu_q_ptr, qpos_ptr, seq_lens_ptr, pm_ptr, pl_ptr, out_ptr, sinks_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_btb, stride_pt, stride_ph,
     stride_ob, stride_oh,
     NUM_WT, SPLIT_LEN, NUM_SPLITS,
     G: tl.constexpr, G_BLK: tl.constexpr, W_BLK: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_BLK: tl.constexpr, PAGE: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
-    SPLITS_BLK: tl.constexpr, USE_ATOMIC: tl.constexpr,
+    SPLITS_BLK: tl.constexpr, USE_ATOMIC: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // NUM_WT
@@ -118,6 +120,7 @@ def _window_scores_kernel(
     pl = tl.load(pl_ptr + pofs, mask=pmask, other=0.0)
     m_i = tl.max(pm, 1)
     l_i = tl.sum(pl * tl.exp2(pm - m_i[:, None]), 1)
+    m_i, l_i = _fold_sinks(m_i, l_i, sinks_ptr, qh, row_ok, HAS_SINKS)
     inv_l = tl.where(row_ok & (l_i > 0), 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -154,6 +157,7 @@ def window_scores_batched(
     out: Optional[torch.Tensor] = None,
     max_seq_len: Optional[int] = None,
     max_q_len: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
     *,
     split_len: Optional[int] = None,
     block_n: int = 64,
@@ -161,7 +165,8 @@ def window_scores_batched(
 ) -> torch.Tensor:
     """Triton version of :func:`torch_ops.window_scores_batched` (scores added into
     ``out [B, Hq, max_T]``). Pass ``out`` (or ``max_seq_len``) and ``max_q_len`` to avoid
-    host syncs. ``split_len``: keys per program (default: ``T/64``, at least 512)."""
+    host syncs. ``split_len``: keys per program (default: ``T/64``, at least 512).
+    ``sinks [Hq]``: folded into each row's normaliser (``_fold_sinks``)."""
     _check_cache(key_cache, "key_cache")
     dev = key_cache.device
     total_q, hq, d = q.shape
@@ -197,6 +202,7 @@ def window_scores_batched(
     d_blk = max(16, _next_pow2(d))
     pm = torch.empty(total_q, hq, num_splits, dtype=torch.float32, device=dev)
     pl = torch.empty_like(pm)
+    sinks2, has_sinks = _sinks_log2("window_scores_batched", sinks, hq, pm)
     grid = (nreq, hkv * num_wt, num_splits)
     common = dict(G=g, G_BLK=g_blk, W_BLK=w_blk, BLOCK_N=block_n, HEAD_DIM=d, D_BLK=d_blk,
                   PAGE=page, **_dot_flags(key_cache.dtype))
@@ -207,9 +213,9 @@ def window_scores_batched(
         q, key_cache, bt, cu, qpos, sl, pm, pl, scale_log2, *strides, num_wt, split, **common
     )
     _window_scores_kernel[grid](
-        q, key_cache, bt, cu, qpos, sl, pm, pl, out, scale_log2, *strides, out.stride(0), out.stride(1),
+        q, key_cache, bt, cu, qpos, sl, pm, pl, out, sinks2, scale_log2, *strides, out.stride(0), out.stride(1),
         num_wt, split, num_splits, SPLITS_BLK=max(2, _next_pow2(num_splits)), USE_ATOMIC=num_wt > 1,
-        **common,
+        HAS_SINKS=has_sinks, **common,
     )
     return out
 
@@ -281,10 +287,11 @@ def _decode_logits_kernel(
 
 @triton.jit
 def _decode_normalize_kernel(
-    seq_lens_ptr, scratch_ptr, pm_ptr, pl_ptr, out_ptr,
-    stride_xr, stride_xh, stride_pr, stride_ph, stride_or, stride_oh,
+    seq_lens_ptr, scratch_ptr, pm_ptr, pl_ptr, out_ptr, sinks_ptr,
+    stride_xr, stride_xh, stride_pr, stride_ph, stride_or, stride_oh, stride_sr,
     SPLIT_LEN, NUM_SPLITS,
     G: tl.constexpr, G_BLK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_BLK: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -303,6 +310,7 @@ def _decode_normalize_kernel(
     pl = tl.load(pl_ptr + pofs, mask=pmask, other=0.0)
     m = tl.max(pm, 1)
     l = tl.sum(pl * tl.exp2(pm - m[:, None]), 1)
+    m, l = _fold_sinks(m, l, sinks_ptr, r64 * stride_sr + qh, g_ok, HAS_SINKS)
     lse2 = m + tl.log2(tl.where(l > 0, l, 1.0))  # l == 0 only for rows with no keys (masked)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -324,6 +332,7 @@ def accumulate_decode_scores(
     logits_transform: LogitsTransform = None,
     lse: Optional[torch.Tensor] = None,
     max_seq_len: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
     *,
     scratch: Optional[torch.Tensor] = None,
     split_len: Optional[int] = None,
@@ -356,13 +365,14 @@ def accumulate_decode_scores(
 
     ``scratch``: optional preallocated ``[R, Hq, >= max_T]`` float32 buffer (reused
     across layers/steps to skip an allocation). ``max_seq_len`` is unused (the grid
-    covers the width of ``scores_out``).
+    covers the width of ``scores_out``). ``sinks [Hq]``: each head's sink logit
+    (over ``tau`` with the Gumbel transform) folded into launch 2's normaliser.
     """
     del max_seq_len
     _check_cache(key_cache, "key_cache")
     noise, tau = _parse_transform(logits_transform)
-    if lse is not None and noise is not None:
-        raise ValueError("lse is only valid without a logits transform")
+    if lse is not None and (noise is not None or sinks is not None):
+        raise ValueError("lse is only valid without a logits transform or sinks")
     dev = key_cache.device
     nreq, hq, d = q.shape
     _, page, hkv, d_k = key_cache.shape
@@ -420,10 +430,15 @@ def accumulate_decode_scores(
         **_dot_flags(key_cache.dtype), GUMBEL=noise is not None, HAS_LSE=lse is not None,
     )
     if lse is None:
+        # [R, Hq] sink logits in log2 units, over each request's tau (the logits' transform).
+        sinks2, has_sinks = _sinks_log2("accumulate_decode_scores", sinks, hq, pm)
+        if has_sinks:
+            sinks2 = (sinks2[None, :] * (inv_tau[:, None] if noise is not None else 1.0)).expand(nreq, hq).contiguous()
         _decode_normalize_kernel[grid](
-            sl, scratch_t, pm, pl, scores_out,
-            *x_strides, *p_strides, scores_out.stride(0), scores_out.stride(1),
+            sl, scratch_t, pm, pl, scores_out, sinks2,
+            *x_strides, *p_strides, scores_out.stride(0), scores_out.stride(1), sinks2.stride(0) if has_sinks else 0,
             split, num_splits,
             G=g, G_BLK=_next_pow2(g), BLOCK_N=block_n, SPLITS_BLK=max(2, _next_pow2(num_splits)),
+            HAS_SINKS=has_sinks,
         )
     return scores_out

@@ -624,6 +624,65 @@ def build_tiny_qwen3(
     return _build_tiny(path, "tiny-qwen3-moe" if moe else "tiny-qwen3", params, make, force)
 
 
+def build_tiny_gpt_oss(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    layer_types: tuple[str, ...] = ("sliding_attention", "full_attention") * 2,
+    sliding_window: int = 64,
+    hidden_size: int = 256,
+    num_heads: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate_size: int = 256,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    init_std: float = 0.08,
+    force: bool = False,
+) -> Path:
+    """Build (or return the cached) seeded random gpt-oss at ``path``.
+
+    gpt-oss's attention adds a learned sink logit per query head to each
+    softmax's denominator (random around 4 here, so they hold a real share of
+    the attention); its layers alternate a sliding window with full attention;
+    every MLP routes to ``num_experts_per_tok`` of ``num_experts`` experts
+    (clamped SwiGLU, biases). Unquantized (the released checkpoints are
+    MXFP4): vLLM serves it with its unquantized MoE. YaRN RoPE as released
+    (factor 32 over 4,096 original positions). Same seeded init and
+    tokenizer as ``build_tiny_llama``.
+    """
+    params = {
+        "seed": seed,
+        "layer_types": list(layer_types),
+        "sliding_window": sliding_window,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size,
+        "num_experts": num_experts,
+        "num_experts_per_tok": num_experts_per_tok,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "init_std": init_std,
+    }
+
+    def make(tok, common):
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+        cfg = GptOssConfig(num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                           sliding_window=sliding_window, num_local_experts=num_experts,
+                           num_experts_per_tok=num_experts_per_tok, rope_parameters=rope, rms_norm_eps=1e-5,
+                           architectures=["GptOssForCausalLM"], **common)
+        return GptOssForCausalLM(cfg), 1.0
+
+    return _build_tiny(path, "tiny-gpt-oss", params, make, force)
+
+
 def build_tiny_phi3(
     path: str | Path,
     *,
@@ -722,6 +781,10 @@ def _build_tiny(path: str | Path, kind: str, params: dict[str, Any], make, force
             for name, p in sorted(model.named_parameters()):
                 if name.endswith("norm.weight"):
                     p.fill_(norm_init)
+                elif name.endswith("self_attn.sinks"):
+                    # gpt-oss: sink logits around 4 (spread 2) hold a real share of
+                    # the attention (the random logits are ~N(0, 2)); near 0 they would vanish.
+                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * 2.0 + 4.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * params["init_std"])
         model.generation_config = GenerationConfig(

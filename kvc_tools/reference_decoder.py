@@ -1,10 +1,12 @@
 """Plain-torch reference decoder: the test oracle for the vLLM integration.
 
-A Llama (or Gemma 3) forward pass written out with an explicit, dense KV cache
-per layer (`[num_kv_heads, T, head_dim]`, keys after RoPE). Gemma 3 is a
-hybrid model: its sliding-window layers keep every token and mask by logical
-distance (the window), and only its full-attention layers compress, as in
-the engine. Attention probabilities are
+A Llama (Qwen3, Gemma 3 or gpt-oss) forward pass written out with an explicit,
+dense KV cache per layer (`[num_kv_heads, T, head_dim]`, keys after RoPE).
+Gemma 3 and gpt-oss are hybrid models: their sliding-window layers keep every
+token and mask by logical distance (the window), and only their
+full-attention layers compress, as in the engine. gpt-oss's learned sink
+logit per head sits in every softmax's denominator (the output's and the
+scores'). Attention probabilities are
 computed explicitly, used for the output and, for the queries the scorer
 observes, fed to the same `RequestTokens` bookkeeping the worker uses.
 Compressions happen exactly when the schedule says (schedule.py) (the scheduler's state
@@ -38,12 +40,14 @@ class ReferenceDecoder:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
         cfg = self.model.config
         self.gemma = cfg.model_type in ("gemma3_text", "gemma3")
-        if cfg.model_type not in ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe") and not self.gemma:
-            raise ValueError(f"reference decoder supports Llama-like, Qwen3 and Gemma 3 models, not {cfg.model_type}")
+        self.gpt_oss = cfg.model_type == "gpt_oss"
+        if cfg.model_type not in ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "gpt_oss") and not self.gemma:
+            raise ValueError(f"reference decoder supports Llama-like, Qwen3, Gemma 3 and gpt-oss models, "
+                             f"not {cfg.model_type}")
         # Qwen's configs carry a window that only `use_sliding_window` turns on.
         windowed = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
-        if windowed and not self.gemma:
-            raise ValueError("reference decoder: sliding windows only for Gemma 3's layer types")
+        if windowed and not (self.gemma or self.gpt_oss):
+            raise ValueError("reference decoder: sliding windows only for Gemma 3's and gpt-oss's layer types")
         # Per-head RMSNorm of q and k before RoPE (Gemma 3, Qwen3): wherever the model has it.
         self.qk_norm = hasattr(self.model.model.layers[0].self_attn, "q_norm")
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
@@ -55,6 +59,8 @@ class ReferenceDecoder:
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if self.gemma else self.head_dim ** -0.5
         layer_types = (getattr(cfg, "layer_types", None) if windowed or self.gemma else None) \
             or ["full_attention"] * self.num_layers
+        # gpt-oss: [Hq] sink logits per layer (None: a plain softmax).
+        self.sinks = [getattr(layer.self_attn, "sinks", None) for layer in self.model.model.layers]
         # Per layer: the sliding window (None: full attention, which compresses).
         self.window = [cfg.sliding_window if t == "sliding_attention" else None for t in layer_types]
         self.layer_types = layer_types
@@ -74,7 +80,10 @@ class ReferenceDecoder:
                 cos, sin = rotary(x, positions.view(1, -1), layer_type)
             else:
                 cos, sin = rotary(x, positions.view(1, -1))
-            tables[layer_type] = (cos[0].to(x.dtype), sin[0].to(x.dtype))
+            cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)
+            if 2 * cos.shape[-1] == self.head_dim:  # gpt-oss's tables cover one half (the same rotation)
+                cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+            tables[layer_type] = (cos, sin)
         return tables
 
     @staticmethod
@@ -129,7 +138,12 @@ class ReferenceDecoder:
             dead = state.dead_slots(c, total) if state is not None and c is not None else None
             if dead is not None:  # per-head budgets: slots this head evicted
                 logits = logits.masked_fill(dead.repeat_interleave(group, dim=0).unsqueeze(1), float("-inf"))
-            probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
+            sinks = self.sinks[layer_idx]
+            if sinks is None:
+                probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
+            else:  # each head's sink logit joins the denominator; it has no value
+                sink_column = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
+                probs = torch.softmax(torch.cat([logits.float(), sink_column], dim=-1), dim=-1)[..., :-1].to(q.dtype)
             attended = probs.reshape(self.num_kv_heads, group * n, total) @ values  # [Hkv, group * n, D]
             out = attn.o_proj(attended.view(self.num_q_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1))
             if self.gemma:  # sandwich norms around attention and MLP
@@ -138,10 +152,14 @@ class ReferenceDecoder:
             else:
                 x = x + out
                 h = layer.post_attention_layernorm(x)
-                # Qwen3-MoE's routed experts take a batch dimension; a dense MLP the tokens as they are.
-                x = x + (layer.mlp(h.unsqueeze(0))[0] if hasattr(layer.mlp, "experts") else layer.mlp(h))
+                # Routed experts take a batch dimension (gpt-oss's also return
+                # the router's scores); a dense MLP the tokens as they are.
+                if self.gpt_oss:
+                    x = x + layer.mlp(h.unsqueeze(0))[0][0]
+                else:
+                    x = x + (layer.mlp(h.unsqueeze(0))[0] if hasattr(layer.mlp, "experts") else layer.mlp(h))
             if observed is not None and observed.any() and c is not None:
-                state.observe(c, logits[:, observed].float(), positions[observed])
+                state.observe(c, logits[:, observed].float(), positions[observed], sinks)
         x = m.norm(x[-1:])
         logits = self.model.lm_head(x)[0].float()
         cap = getattr(self.model.config, "final_logit_softcapping", None)

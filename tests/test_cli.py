@@ -243,10 +243,8 @@ def test_no_flag_leaves_additional_config_alone(tiny_model):
 
 # Model features whose attention the scorers would not reproduce: refused once
 # the engine config is known, before any weight loads (config-only folders).
+# (gpt-oss's learned sinks are served: the ops take them, tests/test_model_families.py.)
 FEATURE_CONFIGS = {
-    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=64, intermediate_size=256,
-                                     num_local_experts=4, num_experts_per_tok=2), "GptOssForCausalLM",
-                "attention sinks (gpt_oss: a learned sink logit per head"),
     "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=64, intermediate_size=256), "Gemma2ForCausalLM",
                "an attention logit soft cap (gemma2 attn_logit_softcapping=50.0"),
     "falcon": ("FalconConfig", dict(alibi=True), "FalconForCausalLM", "ALiBi slopes (falcon"),
@@ -274,7 +272,7 @@ def feature_models(tiny_model, tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(FEATURE_CONFIGS))
 def test_model_features_the_scores_miss_are_refused_in_one_line(feature_models, name, capsys):
-    """gpt-oss's sinks, Gemma 2's soft cap, ALiBi: `vllm serve` exits 2 with one
+    """Gemma 2's soft cap, ALiBi: `vllm serve` exits 2 with one
     line naming the feature, before the engine starts (no traceback)."""
     error, err = serve_to_engine_config(["--model", feature_models[name], "--dtype", "float32",
                                          "--kv-compress", "snapkv", "--kv-compress-budget", "64"], capsys)
@@ -284,18 +282,18 @@ def test_model_features_the_scores_miss_are_refused_in_one_line(feature_models, 
 
 
 def test_the_worker_refuses_tensor_valued_features_by_name():
-    """The worker's second check (on the layers vLLM built): a tensor of sinks
-    or ALiBi slopes is refused by name, not a tensor's truth value."""
+    """The worker's second check (on the layers vLLM built): a tensor of ALiBi
+    slopes is refused by name, not a tensor's truth value; sinks pass (served)."""
     import types
 
     import torch
 
     from vllm_kvcompress.vllm_seam.worker.startup import check_scoring_exact
 
-    for attr, what in (("sinks", "attention sinks"), ("alibi_slopes", "ALiBi slopes")):
+    for attr, what in (("alibi_slopes", "ALiBi slopes"),):
         layer = types.SimpleNamespace(layer_name="model.layers.0.self_attn.attn",
                                       impl=types.SimpleNamespace(**{attr: torch.zeros(4)}))
         with pytest.raises(RuntimeError, match=f"cannot be served with {what} \\(layer model.layers.0"):
             check_scoring_exact(layer)
     check_scoring_exact(types.SimpleNamespace(layer_name="x", impl=types.SimpleNamespace(
-        sinks=None, alibi_slopes=None, logits_soft_cap=0)))
+        sinks=torch.zeros(4), alibi_slopes=None, logits_soft_cap=0)))

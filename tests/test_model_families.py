@@ -21,6 +21,11 @@ from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.registry import POLICIES
 
 NEW_TOKENS = 24
+# gpt-oss under preemption: 3 long uncompressed fillers and 5 compressed
+# requests overrun a pool of this many blocks (32 tokens; the sliding-window
+# group takes its blocks from the same pool).
+GPT_OSS_BLOCKS = 48
+PREEMPTED_NEW_TOKENS = 96
 # One KV cache group (per-layer budgets and MiniCache need grouped engines: the Llama tests).
 POLICY_NAMES = sorted(name for name, c in POLICIES.items()
                       if name != "none" and c.allocation not in ("pyramid", "adaptive") and c.merge == "none")
@@ -35,16 +40,18 @@ def policy_config(policy: str, budget: int) -> dict:
     return {"policy": policy, "budget": budget}
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe"])
-def qwen3(request):
-    from kvc_tools.models import build_tiny_qwen3, default_cache_root
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe", "gpt-oss"])
+def family(request):
+    from kvc_tools.models import build_tiny_gpt_oss, build_tiny_qwen3, default_cache_root
 
-    moe = request.param == "qwen3-moe"
-    return str(build_tiny_qwen3(default_cache_root() / "models" / f"tiny-{request.param}-seed0", moe=moe))
+    folder = default_cache_root() / "models" / f"tiny-{request.param}-seed0"
+    if request.param == "gpt-oss":
+        return str(build_tiny_gpt_oss(folder))
+    return str(build_tiny_qwen3(folder, moe=request.param == "qwen3-moe"))
 
 
 @pytest.mark.mrv2
-def test_qwen3_every_policy_matches_the_reference(qwen3):
+def test_every_policy_matches_the_reference(family):
     """Every policy in one batch equals the reference; a budget above the
     need gives the uncompressed tokens; compressed requests return blocks."""
     from kvc_tools.reference_decoder import ReferenceDecoder
@@ -54,13 +61,13 @@ def test_qwen3_every_policy_matches_the_reference(qwen3):
     prompts[-1] = prompts[-2]
     configs = [policy_config(p, 48 + 8 * (i % 3)) for i, p in enumerate(POLICY_NAMES)]
     configs += [None, {"policy": "snapkv-span", "budget": 1000}]
-    engine = Engine(in_process=True, **engine_kwargs(qwen3, kv_compress="none"))
+    engine = Engine(in_process=True, **engine_kwargs(family, kv_compress="none"))
     try:
         got = engine.generate(prompts, NEW_TOKENS, configs)
         stats = engine.stats()
     finally:
         engine.close()
-    reference = ReferenceDecoder(qwen3)
+    reference = ReferenceDecoder(family)
     for prompt, config, tokens in zip(prompts, configs, got):
         cfg = KVCompressConfig.from_dict(config) if config else None
         want = reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"]
@@ -68,6 +75,40 @@ def test_qwen3_every_policy_matches_the_reference(qwen3):
     assert got[-1] == got[-2], "a budget above the need changed the tokens"
     assert stats["compressions"] >= len(POLICY_NAMES) and stats["blocks_freed"] > 0
     assert stats["free_blocks"] == stats["total_blocks"]
+
+
+@pytest.mark.extended  # ~30 s; the default run keeps gpt-oss's every-policy test
+def test_gpt_oss_prefix_caching_and_preemption_keep_answers(start_engine):
+    """gpt-oss with prefix caching on and a cache too small for the batch:
+    requests share a system prompt (the full-attention group hits it, and
+    compresses only what follows), the newest are preempted and replay their
+    first life, and each gives the reference's tokens, sinks included."""
+    from kvc_tools.models import build_tiny_gpt_oss, default_cache_root
+    from kvc_tools.reference_decoder import ReferenceDecoder
+
+    model = str(build_tiny_gpt_oss(default_cache_root() / "models" / "tiny-gpt-oss-seed0"))
+    engine = start_engine(**engine_kwargs(model, kv_compress="none", enable_prefix_caching=True,
+                                          num_gpu_blocks_override=GPT_OSS_BLOCKS, max_model_len=512))
+    system = random_prompts((96,), seed=90)[0]
+    fillers = random_prompts([220] * 3, seed=91)
+    fillers[0] = system + fillers[0][len(system):]  # an uncompressed request computes the system prompt first
+    prompts = [system + p for p in random_prompts([90 + 9 * i for i in range(5)], seed=92)]
+    configs = [{"policy": "snapkv", "budget": 64, "window": 8}, {"policy": "h2o", "budget": 64},
+               {"policy": "tova", "budget": 48, "window": 4}, {"policy": "streamingllm", "budget": 48},
+               {"policy": "snapkv-span", "compression_ratio": 0.5}]
+    before = engine.stats()["preemptions"]
+    got = engine.generate_with_hits(fillers + prompts, PREEMPTED_NEW_TOKENS, [None] * 3 + configs)[3:]
+    stats = engine.stats()
+    assert stats["preemptions"] > before, "the cache was meant to be too small"
+    preempted = {k.split("#")[0] for k in stats["requests"] if "#preempted" in k}
+    assert any(r["finished"] and r["tokens_evicted"] for k, r in stats["requests"].items() if k in preempted)
+    assert any(cached >= len(system) for _, cached in got), [c for _, c in got]
+    assert stats["free_blocks"] == stats["total_blocks"]
+    reference = ReferenceDecoder(model)
+    for prompt, config, (tokens, cached) in zip(prompts, configs, got):
+        want = reference.generate(prompt, PREEMPTED_NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=32)
+        assert tokens == want["tokens"], f"{config} hit {cached}"
+        assert want["compressed_at"]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import torch
 
 from . import host_reads
 from .budgets import LayerToSelect, Selected
+from .kernels.torch_paged import softmax_with_sinks
 from .merge import MergedTensor
 from .plan import CompressionPlan
 from .scorers import Observation
@@ -228,17 +229,23 @@ class RequestTokens:
         return self.scorer.logits_noise(layer, q_positions, self.key_positions(layer), self.num_compressions,
                                         self.shard.first(self.num_q_heads))
 
-    def observe(self, layer: int, logits: torch.Tensor, q_positions: torch.Tensor) -> None:
+    def observe(self, layer: int, logits: torch.Tensor, q_positions: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> None:
         """Accumulate the attention of observed queries from their dense logits.
 
         The reference decoder's path (the engine's goes through the kernel
         ops). logits: [Hq, n, T] scaled q.k over this layer's cached keys,
         already masked with -inf where a query may not look (causality).
+        sinks: [Hq] each head's sink logit (gpt-oss), in every softmax's
+        denominator, transformed as the logits are but without noise (it is
+        no token).
         """
         noise = self.logits_noise(layer, q_positions)
+        sink = None if sinks is None else sinks.to(torch.float32).view(-1, 1, 1)
         if noise is not None:
             logits = (logits + noise.noise.to(logits.device)) / noise.tau
-        probs = torch.softmax(logits.to(torch.float32), dim=-1)
+            sink = None if sink is None else sink / noise.tau
+        probs = softmax_with_sinks(logits.to(torch.float32), sink)
         self.accumulate(layer, self.scorer.observe.reduce(probs))
 
     def accumulate(self, layer: int, attention: torch.Tensor) -> None:

@@ -683,8 +683,9 @@ def merged_inputs(gen, g, d, bs, dtype, tokens, retained, appended, kv_layout=No
                 value_slot=value.slot.to(DEVICE), value_scale=value.scale.to(DEVICE)), hkv
 
 
-def naive_merged_attention(query, q_pos, scale, inputs):
-    """Key by key, as the design says (merge.py), then a plain softmax per query head."""
+def naive_merged_attention(query, q_pos, scale, inputs, sinks=None):
+    """Key by key, as the design says (merge.py), then a plain softmax per query
+    head (with its sink logit in the denominator, given `sinks`)."""
     lower_k = ref.gather_dense(inputs["lower_keys"], inputs["lower_blocks"], inputs["key_slot"].shape[1]).float()
     lower_v = ref.gather_dense(inputs["lower_values"], inputs["lower_blocks"], inputs["key_slot"].shape[1]).float()
     own_k = ref.gather_dense(inputs["upper_keys"], inputs["upper_blocks"], inputs["upper_len"]).float()
@@ -706,7 +707,8 @@ def naive_merged_attention(query, q_pos, scale, inputs):
                         x.append(own[kvh, int(inputs[slot][kvh, j])])
                     else:
                         x.append(low[kvh, j] * inputs[sc][kvh, j])
-            p = torch.softmax(torch.stack(keys).cpu() @ query[i, h].float().cpu() * scale, dim=0)
+            x = torch.stack(keys).cpu() @ query[i, h].float().cpu() * scale
+            p = torch.softmax(x, dim=0) if sinks is None else sink_softmax64(x, sinks[h]).float()
             out[i, h] = p @ torch.stack(values).cpu()
     return out
 
@@ -730,4 +732,122 @@ def test_triton_merged_attention(g, d, bs, dtype, retained):
     q_pos = torch.tensor([71, 75, 79, 20]).to(DEVICE)
     want = ref.merged_attention(query, q_pos, d ** -0.5, **inputs)
     got = tk().merged_attention(query, q_pos, d ** -0.5, **inputs, block_n=16)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+
+
+# ---------------------------------------------------------------------------------------
+# attention sinks (gpt-oss): each head's sink logit in every softmax's denominator
+# ---------------------------------------------------------------------------------------
+
+
+def sink_softmax64(x, sink):
+    """float64 softmax over `x` with one more logit, `sink`, in the denominator only."""
+    x = torch.cat([x.double(), torch.tensor([float(sink)], dtype=torch.float64)])
+    return softmax64(x)[:-1]
+
+
+def random_sinks(gen, hq):
+    """Around the logits' size and above (some heads give the sink most of their attention)."""
+    return (torch.randn(hq, generator=gen) * 2 + 1.5).to(DEVICE)
+
+
+def test_reference_ops_with_sinks_vs_naive():
+    """Every scoring and attention op, with sinks, against float64 softmaxes
+    written out: the probabilities (scores) sum to less than one per query
+    and head, the output is their weighted sum of values."""
+    gen = torch.Generator().manual_seed(61)
+    hkv, g, d, bs = 2, 3, 16, 8
+    hq, scale = hkv * g, 0.3
+    sinks = random_sinks(gen, hq)
+    # window scores: 4 queries of one request
+    L = 21
+    k, v, bt = make_paged(gen, [L, 13, 1], hkv, d, bs, F32)
+    q = torch.randn(4, hq, d, generator=gen).to(DEVICE)
+    qpos = torch.tensor([3, 10, 19, 20])
+    got = ref.window_scores(q, k, bt[0], L, qpos.to(DEVICE), scale, sinks)
+    kd = naive_dense(k, bt[0], L).cpu().double()
+    want = torch.zeros(hq, L, dtype=torch.float64)
+    for i, p_i in enumerate(qpos.tolist()):
+        for h in range(hq):
+            want[h, : p_i + 1] += sink_softmax64(kd[h // g, : p_i + 1] @ q[i, h].cpu().double() * scale, sinks[h])
+    torch.testing.assert_close(got.cpu().double(), want, atol=1e-5, rtol=1e-5)
+    assert (got.sum(-1).cpu() < 4 - 1e-3).all()  # the sinks took their share
+    # decode scores (plain and Gumbel), decode attention: three requests
+    lens = [L, 13, 1]
+    sl = torch.tensor(lens, device=DEVICE)
+    qd = torch.randn(3, hq, d, generator=gen).to(DEVICE)
+    noise = gumbel(gen, (3, hq, 24)).to(DEVICE)
+    tau = torch.tensor([0.5, 1.0, 2.5], device=DEVICE)
+    plain = ref.accumulate_decode_scores(qd, k, bt, sl, torch.zeros(3, hq, 24, device=DEVICE), scale, sinks=sinks)
+    noisy = ref.accumulate_decode_scores(qd, k, bt, sl, torch.zeros(3, hq, 24, device=DEVICE), scale,
+                                         ("gumbel", noise, tau), sinks=sinks)
+    fused = torch.zeros(3, hq, 24, device=DEVICE)
+    out = ref.decode_attention_with_scores(qd, k, v, bt, sl, scale, fused, sinks=sinks)
+    for r, n in enumerate(lens):
+        kd, vd = (naive_dense(c, bt[r], n).cpu().double() for c in (k, v))
+        for h in range(hq):
+            x = kd[h // g] @ qd[r, h].cpu().double() * scale
+            p = sink_softmax64(x, sinks[h])
+            torch.testing.assert_close(plain[r, h, :n].cpu().double(), p, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fused[r, h, :n].cpu().double(), p, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out[r, h].cpu().double(), p @ vd[h // g], atol=1e-5, rtol=1e-5)
+            t = float(tau[r])
+            want_noisy = sink_softmax64((x + noise[r, h, :n].cpu().double()) / t, float(sinks[h]) / t)
+            torch.testing.assert_close(noisy[r, h, :n].cpu().double(), want_noisy, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"sinks must be float32 \[Hq=6\]"):
+        ref.accumulate_decode_scores(qd, k, bt, sl, plain, scale, sinks=sinks[:3])
+    with pytest.raises(ValueError, match="lse is only valid without"):
+        ref.accumulate_decode_scores(qd, k, bt, sl, plain, scale, lse=torch.zeros(3, hq, device=DEVICE), sinks=sinks)
+    # merged attention: the sink joins each query head's softmax over the merged keys
+    inputs, hkv = merged_inputs(gen, g, d, bs, F32, tokens=37, retained=4, appended=6)
+    query = torch.randn(5, hq, d, generator=gen).to(DEVICE)
+    q_pos = torch.tensor([3, 36, 37, 40, 42])
+    got = ref.merged_attention(query, q_pos.to(DEVICE), 0.25, **inputs, sinks=sinks)
+    torch.testing.assert_close(got.cpu(), naive_merged_attention(query, q_pos, 0.25, inputs, sinks),
+                               atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("g,d,bs,dtype", CONFIGS[:2])
+def test_triton_ops_with_sinks(g, d, bs, dtype):
+    """The Triton ops fold the sinks into their normalisers as the torch ops do
+    (split keys, several query tiles, a Gumbel transform with per-request tau)."""
+    gen = torch.Generator().manual_seed(g * 1000 + d + bs + 99)
+    lens = ragged_lens(bs)
+    nreq, hq, t_buf = len(lens), HKV * g, max(lens) + 5
+    k, v, bt = make_paged(gen, lens, HKV, d, bs, dtype)
+    sinks = random_sinks(gen, hq)
+    scale = d**-0.5
+    sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    # window scores
+    ws = [1, 6, 3, 11]
+    cu = torch.tensor([0] + torch.tensor(ws).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+    qw = torch.randn(int(cu[-1]), hq, d, generator=gen).to(dtype).to(DEVICE)
+    qpos = torch.cat([torch.arange(L - w, L) for L, w in zip(lens, ws)]).int().to(DEVICE)
+    want = ref.window_scores_batched(qw, cu, k, bt, sl, qpos, scale, max_seq_len=t_buf, sinks=sinks)
+    got = tk().window_scores_batched(qw, cu, k, bt, sl, qpos, scale, max_seq_len=t_buf, max_q_len=max(ws),
+                                     sinks=sinks, split_len=32, block_n=16, max_rows=16)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    # decode scores, plain and Gumbel
+    q = torch.randn(nreq, hq, d, generator=gen).to(dtype).to(DEVICE)
+    tau = torch.tensor([1.0, 0.7, 2.0, 1.3], device=DEVICE)
+    for tr in (None, ("gumbel", gumbel(gen, (nreq, hq, t_buf)).to(DEVICE), tau)):
+        want = ref.accumulate_decode_scores(q, k, bt, sl, torch.zeros(nreq, hq, t_buf, device=DEVICE), scale, tr,
+                                            sinks=sinks)
+        got = tk().accumulate_decode_scores(q, k, bt, sl, torch.zeros(nreq, hq, t_buf, device=DEVICE), scale, tr,
+                                            sinks=sinks, split_len=32, block_n=16)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    # decode attention with scores
+    want_s, got_s = (torch.zeros(nreq, hq, t_buf, device=DEVICE) for _ in range(2))
+    want = ref.decode_attention_with_scores(q, k, v, bt, sl, scale, want_s, sinks=sinks)
+    got = tk().decode_attention_with_scores(q, k, v, bt, sl, scale, got_s, max_seq_len=max(lens), sinks=sinks,
+                                            split_len=32, block_n=16)
+    torch.testing.assert_close(got, want, **OUT_TOL[dtype])
+    torch.testing.assert_close(got_s, want_s, **TOL[dtype])
+    # merged attention
+    inputs, hkv = merged_inputs(gen, g, d, bs, dtype, tokens=71, retained=5, appended=9)
+    query = torch.randn(4, g * hkv, d, generator=gen).to(dtype).to(DEVICE)
+    q_pos = torch.tensor([71, 75, 79, 20]).to(DEVICE)
+    want = ref.merged_attention(query, q_pos, scale, **inputs, sinks=sinks)
+    got = tk().merged_attention(query, q_pos, scale, **inputs, sinks=sinks, block_n=16)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)

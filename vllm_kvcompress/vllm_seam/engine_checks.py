@@ -180,10 +180,10 @@ def full_attention_layers(model) -> int | None:
 def unscored_attention(hf) -> tuple[str, str] | None:
     """The model's attention feature that the scoring ops would not reproduce,
     and what in its config says so (None: none). Scores and the masked per-head pass
-    are softmax(scale * q.k); a logit soft cap (Gemma 2), ALiBi slopes (BLOOM,
-    MPT, Falcon with `alibi`) or learned attention sinks (gpt-oss: each head's
-    sink logit in the softmax denominator) change that attention. Refused
-    here, before the engine starts; the worker checks the layers again
+    are softmax(scale * q.k) (gpt-oss's learned sinks join the denominator:
+    the ops take them); a logit soft cap (Gemma 2) or ALiBi slopes (BLOOM,
+    MPT, Falcon with `alibi`) change that attention. Refused here, before the
+    engine starts; the worker checks the layers again
     (worker/startup.check_scoring_exact)."""
     model_type = getattr(hf, "model_type", "")
     cap = getattr(hf, "attn_logit_softcapping", None)
@@ -194,8 +194,6 @@ def unscored_attention(hf) -> tuple[str, str] | None:
     if (model_type == "bloom" or getattr(hf, "alibi", False) is True or mpt_alibi is True
             or getattr(hf, "position_embedding_type", None) == "alibi"):
         return "ALiBi slopes", model_type
-    if model_type == "gpt_oss":
-        return "attention sinks", "gpt_oss: a learned sink logit per head"
     return None
 
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import host_reads
+from ...kernels.torch_paged import softmax_with_sinks
 from ...schedule import cdiv
 from ...step_records import ReportedBudgets
 from ...token_state import SpeculativeQueries
@@ -132,7 +133,7 @@ class FusedDecode(AttentionPass):
             scores.zero_()
         out = worker.ops.decode_attention_with_scores(
             query[batch.token_idx], keys, values, batch.block_tables, batch.seq_lens, worker.scales[layer],
-            scores, max_seq_len=batch.max_seq_len)
+            scores, max_seq_len=batch.max_seq_len, sinks=worker.sinks[layer])
         rows = output.view(output.shape[0], -1)
         rows[batch.token_idx] = out.reshape(len(batch.requests), -1).to(rows.dtype)
         for i, r in enumerate(batch.requests):
@@ -157,7 +158,7 @@ class MaskedHeads(AttentionPass):
         group = worker.group_of_layer[layer]
         rows = output.view(output.shape[0], -1)
         key_view, value_view = worker.views(kv_cache)
-        scale, hq = worker.scales[layer], query.shape[1]
+        scale, hq, sinks = worker.scales[layer], query.shape[1], worker.sinks[layer]
         decoding = []
         for r in self.step.masked:
             if r.request_id in worker.failed:
@@ -176,14 +177,14 @@ class MaskedHeads(AttentionPass):
             for sl in _chunks(len(r.token_idx), hq * seq_len):
                 q = query[r.token_idx[sl]].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, Hq, n, D]
                 mask = live & (key_slot <= q_phys[sl].unsqueeze(1))  # [Hq, n, S]: live and causal
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(0), scale=scale,
-                                                     enable_gqa=True)
+                out = _attend(q, keys, values, mask.unsqueeze(0), scale, sinks)
                 rows[r.token_idx[sl]] = out[0].transpose(0, 1).reshape(q.shape[2], -1).to(rows.dtype)
         for batch in _decode_batches(decoding, group, key_view.shape[2] * key_view.shape[3]):
-            self._mask_decoding(batch, group, query, key_view, value_view, rows, scale)
+            self._mask_decoding(batch, group, query, key_view, value_view, rows, scale, sinks)
 
     def _mask_decoding(self, batch, group: int, query: torch.Tensor, key_view: torch.Tensor,
-                       value_view: torch.Tensor, rows: torch.Tensor, scale: float) -> None:
+                       value_view: torch.Tensor, rows: torch.Tensor, scale: float,
+                       sinks: torch.Tensor | None) -> None:
         """One masked SDPA for decoding requests: a decode query sees every
         cached slot, so the mask is the live slots, padding dead."""
         longest = max(r.seq_lens[group] for r, _ in batch)
@@ -199,7 +200,7 @@ class MaskedHeads(AttentionPass):
         token_idx = torch.cat([r.token_idx for r, _ in batch])
         q = query[token_idx].unsqueeze(2).to(keys.dtype)  # [B, Hq, 1, D]
         mask = live.repeat_interleave(query.shape[1] // hkv, dim=1).unsqueeze(2)  # [B, Hq, 1, S]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = _attend(q, keys, values, mask, scale, sinks)
         rows[token_idx] = out.reshape(len(batch), -1).to(rows.dtype)
 
 
@@ -229,7 +230,7 @@ class MergedLayers(AttentionPass):
                 query[r.token_idx], r.q_physical[g_lo], worker.scales[layer],
                 lower_keys, lower_values, r.block_ids[g_lo],
                 upper_keys, upper_values, r.block_ids[g_up], r.seq_lens[g_up], m.retained,
-                m.key_slot, m.key_scale, m.value_slot, m.value_scale)
+                m.key_slot, m.key_scale, m.value_slot, m.value_scale, sinks=worker.sinks[layer])
             rows[r.token_idx] = out.reshape(len(r.token_idx), -1).to(rows.dtype)
 
 
@@ -258,7 +259,8 @@ class ObservedScores(AttentionPass):
                 q = query[batch.token_idx]
                 scores = worker.ops.window_scores_batched(
                     q, batch.cu_q_lens, keys, batch.block_tables, batch.seq_lens, batch.q_positions,
-                    worker.scales[layer], max_seq_len=batch.max_seq_len, max_q_len=batch.max_q_len)
+                    worker.scales[layer], max_seq_len=batch.max_seq_len, max_q_len=batch.max_q_len,
+                    sinks=worker.sinks[layer])
                 for i, r in enumerate(batch.requests):
                     with worker.isolated(r.request_id, "scoring"):
                         r.state.accumulate(layer, scores[i, :, : r.seq_lens[group]])
@@ -296,10 +298,25 @@ class ObservedScores(AttentionPass):
             self.worker.ops.accumulate_decode_scores(
                 query[r.token_idx[sl]], keys, r.block_ids[group].expand(rows, -1),
                 r.q_physical[group][sl] + 1, scores, self.worker.scales[layer],
-                ("gumbel", noise.noise.transpose(0, 1), noise.tau), max_seq_len=seq_len)
+                ("gumbel", noise.noise.transpose(0, 1), noise.tau), max_seq_len=seq_len, sinks=self.worker.sinks[layer])
             total += scores.sum(dim=0)
         r.state.accumulate(layer, total)
 
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+            sinks: torch.Tensor | None) -> torch.Tensor:
+    """Masked attention, q [B, Hq, n, D] over keys and values [B, Hkv, S, D]
+    where `mask` [B, Hq, n, S] is True: SDPA, in the model's dtype. SDPA
+    takes no sinks: with them (gpt-oss), written out in float32 with each
+    head's sink logit in the softmax (kernels' softmax_with_sinks)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (x.to(torch.float32).repeat_interleave(group, dim=1) for x in (keys, values))
+    logits = (q.to(torch.float32) @ keys.transpose(-1, -2)) * scale
+    probs = softmax_with_sinks(logits.masked_fill(~mask, float("-inf")), sinks.view(1, -1, 1, 1))
+    return (probs @ values).to(q.dtype)
 
 
 def _decode_batches(decoding: list, group: int, elements_per_slot: int):

@@ -72,7 +72,7 @@ def _score_accepted(worker: WorkerCompression, rid: str, state: RequestTokens,
         scores = torch.zeros(rows, held.queries.shape[1], max(widths), dtype=torch.float32, device=device)
         worker.ops.accumulate_decode_scores(
             held.queries, keys, table.expand(rows, -1), upload(torch.tensor(widths, dtype=torch.int64), device),
-            scores, worker.scales[layer], transform, max_seq_len=max(widths))
+            scores, worker.scales[layer], transform, max_seq_len=max(widths), sinks=worker.sinks[layer])
         for j, width in enumerate(widths):
             state.accumulate(layer, scores[j, :, :width])
 

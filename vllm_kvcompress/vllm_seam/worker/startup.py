@@ -103,14 +103,14 @@ def check_layout(layer, views, ops, write, backend: str, cache_dtype: CacheDType
 def check_scoring_exact(layer) -> None:
     """Refuse attention the scoring ops would not reproduce.
 
-    Scores (and the per-head masked pass) are softmax(scale * q.k): a logit
-    soft cap (Gemma 2), ALiBi slopes or attention sinks (gpt-oss) change the
+    Scores (and the per-head masked pass) are softmax(scale * q.k), with each
+    head's sink logit in the denominator where the layer has sinks (gpt-oss;
+    the ops take them): a logit soft cap (Gemma 2) or ALiBi slopes change the
     attention, so the scores would be of a different attention than the model's.
     """
     impl = layer.impl
-    for attr, what in (("logits_soft_cap", "an attention logit soft cap"), ("alibi_slopes", "ALiBi slopes"),
-                       ("sinks", "attention sinks")):
-        value = getattr(impl, attr, None)  # a number, or a tensor (ALiBi slopes, sinks: one per head)
+    for attr, what in (("logits_soft_cap", "an attention logit soft cap"), ("alibi_slopes", "ALiBi slopes")):
+        value = getattr(impl, attr, None)  # a number, or a tensor (ALiBi slopes: one per head)
         if value is not None and (isinstance(value, torch.Tensor) or value not in (0, 0.0)):
             raise RuntimeError(f"kv_compress cannot be served with {what} (layer {layer.layer_name}); "
                                f"its scores would not be the model's attention")

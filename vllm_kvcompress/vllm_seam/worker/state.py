@@ -129,6 +129,10 @@ class WorkerCompression:
         self.num_q_heads = first.num_heads
         self.shard = shard
         self.scales = [layer.impl.scale for layer in self.layers]
+        # gpt-oss's learned sink logit per query head (this rank's), float32 on
+        # the device, or None: every softmax the plugin computes holds it.
+        self.sinks = [None if getattr(layer.impl, "sinks", None) is None
+                      else layer.impl.sinks.detach().to(torch.float32).reshape(-1) for layer in self.layers]
         self.group_of_layer = list(group_of_layer)
         self.vllm_groups = vllm_groups
         self.num_vllm_groups = num_vllm_groups
