@@ -683,6 +683,72 @@ def build_tiny_gpt_oss(
     return _build_tiny(path, "tiny-gpt-oss", params, make, force)
 
 
+def build_tiny_qwen3_next(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    layer_types: tuple[str, ...] = ("linear_attention", "full_attention") * 2,
+    hidden_size: int = 256,
+    num_heads: int = 8,
+    num_kv_heads: int = 4,
+    head_dim: int = 128,
+    linear_heads: tuple[int, int] = (1, 1),
+    linear_head_dim: int = 128,
+    intermediate_size: int = 128,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    init_std: float = 0.08,
+    force: bool = False,
+) -> Path:
+    """Build (or return the cached) seeded random Qwen3-Next at ``path``.
+
+    A Gated DeltaNet hybrid: ``linear_attention`` layers keep a fixed-size
+    recurrent state (vLLM's Mamba-style cache), ``full_attention`` layers a
+    KV cache (gated attention: q/k norm, partial RoPE over a quarter of the
+    head, the output scaled by a sigmoid gate). Every MLP routes to
+    ``num_experts_per_tok`` of ``num_experts`` experts beside a shared expert.
+    ``linear_heads``: (key heads, value heads) of the linear layers (vLLM's
+    CPU kernel wants their head size 128, and the model in bfloat16). vLLM
+    sizes the attention block so that its page holds a linear layer's state:
+    these defaults make it 32 tokens. Same
+    seeded init and tokenizer as ``build_tiny_llama``; Qwen3-Next's norms
+    scale by 1 + weight, so theirs start at 0 (the linear layers' gated norm
+    at 1).
+    """
+    params = {
+        "seed": seed,
+        "layer_types": list(layer_types),
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "linear_heads": list(linear_heads),
+        "linear_head_dim": linear_head_dim,
+        "intermediate_size": intermediate_size,
+        "num_experts": num_experts,
+        "num_experts_per_tok": num_experts_per_tok,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "init_std": init_std,
+    }
+
+    def make(tok, common):
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        cfg = Qwen3NextConfig(num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                              linear_num_key_heads=linear_heads[0], linear_num_value_heads=linear_heads[1],
+                              linear_key_head_dim=linear_head_dim, linear_value_head_dim=linear_head_dim,
+                              num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                              moe_intermediate_size=intermediate_size,
+                              shared_expert_intermediate_size=intermediate_size, rms_norm_eps=1e-6,
+                              architectures=["Qwen3NextForCausalLM"], **common)
+        return Qwen3NextForCausalLM(cfg), 0.0
+
+    return _build_tiny(path, "tiny-qwen3-next", params, make, force)
+
+
 def build_tiny_phi3(
     path: str | Path,
     *,

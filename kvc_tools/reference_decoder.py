@@ -41,15 +41,19 @@ class ReferenceDecoder:
         cfg = self.model.config
         self.gemma = cfg.model_type in ("gemma3_text", "gemma3")
         self.gpt_oss = cfg.model_type == "gpt_oss"
-        if cfg.model_type not in ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "gpt_oss") and not self.gemma:
-            raise ValueError(f"reference decoder supports Llama-like, Qwen3, Gemma 3 and gpt-oss models, "
-                             f"not {cfg.model_type}")
+        # Qwen3-Next: Gated DeltaNet layers beside gated full attention (partial RoPE).
+        self.qwen3_next = cfg.model_type == "qwen3_next"
+        if cfg.model_type not in ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_next") \
+                and not self.gemma:
+            raise ValueError(f"reference decoder supports Llama-like, Qwen3, Qwen3-Next, Gemma 3 and gpt-oss "
+                             f"models, not {cfg.model_type}")
         # Qwen's configs carry a window that only `use_sliding_window` turns on.
         windowed = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
         if windowed and not (self.gemma or self.gpt_oss):
             raise ValueError("reference decoder: sliding windows only for Gemma 3's and gpt-oss's layer types")
+        attentions = [layer.self_attn for layer in self.model.model.layers if hasattr(layer, "self_attn")]
         # Per-head RMSNorm of q and k before RoPE (Gemma 3, Qwen3): wherever the model has it.
-        self.qk_norm = hasattr(self.model.model.layers[0].self_attn, "q_norm")
+        self.qk_norm = hasattr(attentions[0], "q_norm")
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
             raise ValueError("reference decoder: attention logit soft caps are not supported (nor by the plugin)")
         self.num_layers = cfg.num_hidden_layers
@@ -57,16 +61,18 @@ class ReferenceDecoder:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = cfg.query_pre_attn_scalar ** -0.5 if self.gemma else self.head_dim ** -0.5
-        layer_types = (getattr(cfg, "layer_types", None) if windowed or self.gemma else None) \
+        layer_types = (getattr(cfg, "layer_types", None) if windowed or self.gemma or self.qwen3_next else None) \
             or ["full_attention"] * self.num_layers
         # gpt-oss: [Hq] sink logits per layer (None: a plain softmax).
-        self.sinks = [getattr(layer.self_attn, "sinks", None) for layer in self.model.model.layers]
+        self.sinks = [getattr(getattr(layer, "self_attn", None), "sinks", None) for layer in self.model.model.layers]
         # Per layer: the sliding window (None: full attention, which compresses).
         self.window = [cfg.sliding_window if t == "sliding_attention" else None for t in layer_types]
         self.layer_types = layer_types
         # Model layer -> index among the compressed (full-attention) layers.
         self.compressed = {layer: i for i, layer in enumerate(
-            layer for layer, w in enumerate(self.window) if w is None)}
+            layer for layer, t in enumerate(layer_types) if t == "full_attention")}
+        # RoPE over the first `rotary_dim` dims of a head (Qwen3-Next: a quarter), the rest passed through.
+        self.rotary_dim = int(self.head_dim * getattr(cfg, "partial_rotary_factor", 1.0))
 
     # ------------------------------------------------------------ model
 
@@ -75,23 +81,23 @@ class ReferenceDecoder:
         Gemma layer type; Llama's one for every layer): computed once per forward."""
         rotary = self.model.model.rotary_emb
         tables = {}
-        for layer_type in set(self.layer_types):
+        for layer_type in set(self.layer_types) - {"linear_attention"}:
             if self.gemma:
                 cos, sin = rotary(x, positions.view(1, -1), layer_type)
             else:
                 cos, sin = rotary(x, positions.view(1, -1))
             cos, sin = cos[0].to(x.dtype), sin[0].to(x.dtype)
-            if 2 * cos.shape[-1] == self.head_dim:  # gpt-oss's tables cover one half (the same rotation)
+            if self.gpt_oss:  # its tables cover one half (the same rotation)
                 cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
             tables[layer_type] = (cos, sin)
         return tables
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [H, n, D] rotated by (cos, sin) [n, D] (HF's rotate_half form)."""
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [H, n, D] rotated by (cos, sin) [n, rotary_dim] (HF's rotate_half form) over its first rotary_dim dims."""
+        x, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return torch.cat([x * cos + rotated * sin, rest], dim=-1)
 
     @torch.no_grad()
     def _forward(self, tokens: list[int], positions: torch.Tensor, cache, state,
@@ -106,9 +112,20 @@ class ReferenceDecoder:
         rope = self._rope_tables(x, positions)
         group = self.num_q_heads // self.num_kv_heads
         for layer_idx, layer in enumerate(m.layers):
-            attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(n, self.num_q_heads, self.head_dim)
+            if self.layer_types[layer_idx] == "linear_attention":
+                # Gated DeltaNet: the model's own layer, its recurrent and
+                # conv states in the cache's slot (never compressed).
+                x = x + layer.linear_attn(h.unsqueeze(0), cache_params=cache[layer_idx])[0]
+                x = x + layer.mlp(layer.post_attention_layernorm(x).unsqueeze(0))[0]
+                continue
+            attn = layer.self_attn
+            gate = None
+            if self.qwen3_next:  # the query projection also gives each head's output gate
+                q, gate = attn.q_proj(h).view(n, self.num_q_heads, 2 * self.head_dim).chunk(2, dim=-1)
+                gate = gate.reshape(n, -1)
+            else:
+                q = attn.q_proj(h).view(n, self.num_q_heads, self.head_dim)
             k = attn.k_proj(h).view(n, self.num_kv_heads, self.head_dim)
             if self.qk_norm:  # per-head RMSNorm of q and k before RoPE
                 q, k = attn.q_norm(q), attn.k_norm(k)
@@ -124,8 +141,10 @@ class ReferenceDecoder:
             total = keys.shape[1]
             # GQA: query head h reads KV head h // group; the group's queries
             # are stacked as rows of one matmul per KV head.
-            grouped = q.reshape(self.num_kv_heads, group * n, self.head_dim)
-            logits = (grouped @ keys.transpose(1, 2)).view(self.num_q_heads, n, total) * self.scale  # [Hq, n, T]
+            # In float32 whatever the model's dtype (a 16-bit model's too: vLLM's
+            # CPU kernel computes attention in float32 on the stored values).
+            grouped = q.float().reshape(self.num_kv_heads, group * n, self.head_dim)
+            logits = (grouped @ keys.float().transpose(1, 2)).view(self.num_q_heads, n, total) * self.scale
             window = self.window[layer_idx]
             if n > 1 or window is not None:
                 # Query i sits at physical slot total - n + i and sees slots <= it.
@@ -140,12 +159,13 @@ class ReferenceDecoder:
                 logits = logits.masked_fill(dead.repeat_interleave(group, dim=0).unsqueeze(1), float("-inf"))
             sinks = self.sinks[layer_idx]
             if sinks is None:
-                probs = torch.softmax(logits.float(), dim=-1).to(q.dtype)
+                probs = torch.softmax(logits, dim=-1)
             else:  # each head's sink logit joins the denominator; it has no value
                 sink_column = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
-                probs = torch.softmax(torch.cat([logits.float(), sink_column], dim=-1), dim=-1)[..., :-1].to(q.dtype)
-            attended = probs.reshape(self.num_kv_heads, group * n, total) @ values  # [Hkv, group * n, D]
-            out = attn.o_proj(attended.view(self.num_q_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1))
+                probs = torch.softmax(torch.cat([logits, sink_column], dim=-1), dim=-1)[..., :-1]
+            attended = (probs.reshape(self.num_kv_heads, group * n, total) @ values.float()).to(x.dtype)
+            attended = attended.view(self.num_q_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1)
+            out = attn.o_proj(attended if gate is None else attended * torch.sigmoid(gate))
             if self.gemma:  # sandwich norms around attention and MLP
                 x = x + layer.post_attention_layernorm(out)
                 x = x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
@@ -167,7 +187,12 @@ class ReferenceDecoder:
 
     def _empty_cache(self):
         empty = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.model.dtype)
-        return [(empty, empty) for _ in range(self.num_layers)]
+        if "linear_attention" not in self.layer_types:
+            return [(empty, empty) for _ in range(self.num_layers)]
+        from transformers import DynamicCache
+
+        states = DynamicCache(config=self.model.config)  # the Gated DeltaNet layers' (HF keeps them per layer)
+        return [states if t == "linear_attention" else (empty, empty) for t in self.layer_types]
 
     def _merge(self, cache, state: RequestTokens, merge, cache_dtype: CacheDType) -> None:
         """MiniCache over the compacted pairs: the lower layer keeps its stored
@@ -190,10 +215,16 @@ class ReferenceDecoder:
 
     def generate(
         self, prompt: list[int], max_new_tokens: int, config: KVCompressConfig | None = None,
-        block_size: int = 32, kv_cache_dtype: str = "auto",
+        block_size: int = 32, kv_cache_dtype: str = "auto", forced: list[int] | None = None,
     ) -> dict:
         """Greedy tokens with the config's compression applied on the schedule's points (schedule.py),
         keys and values cached as vLLM caches them at `kv_cache_dtype` (auto, or an fp8 format).
+
+        `forced`: decode these tokens instead of the greedy ones (another
+        decoder's output, e.g. the engine's): "deficits" then says, per token,
+        how far its logit falls below the best one here (0 where it is the
+        greedy token). A 16-bit model's two decoders part at near ties; forced,
+        every token of the other is checked, not only those before they part.
 
         Returns tokens, the kept logical positions per compressed layer at the end, the
         physical cache length after every compression and the logical length
@@ -247,21 +278,29 @@ class ReferenceDecoder:
         if plan.budgets_pending:  # the worker reports these at prefill end
             assert state is not None
             plan.set_layer_budgets(state.attention_budgets())
-        tokens = [int(logits.argmax())]
-        margins = [_margin(logits)]
+        tokens: list[int] = []
+        margins: list[float] = []
+        deficits: list[float] = []
+
+        def take(logits: torch.Tensor) -> None:
+            best = int(logits.argmax())
+            token = best if forced is None else forced[len(tokens)]
+            tokens.append(token)
+            margins.append(_margin(logits))
+            deficits.append(float(logits[best] - logits[token]))
+
+        take(logits)
         while len(tokens) < max_new_tokens:
             logical = len(prompt) + len(tokens) - 1  # tokens whose KV is cached
             compress_if_due(logical)
             if state is not None:
                 state.next_due = plan.next_due(logical)
-            logits = self._forward([tokens[-1]], torch.tensor([logical]), cache, state, cache_dtype)
-            tokens.append(int(logits.argmax()))
-            margins.append(_margin(logits))
+            take(self._forward([tokens[-1]], torch.tensor([logical]), cache, state, cache_dtype))
         kept = [state.positions(i) for i in range(num_compressed)] if state else None
         # Per-head budgets: per layer, the kept slots some head does not attend.
         dead = [0 if d is None else int(d.sum()) for d in state.dead] if state else None
         return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths,
-                "compressed_at": compressed_at, "dead_slots": dead, "margins": margins}
+                "compressed_at": compressed_at, "dead_slots": dead, "margins": margins, "deficits": deficits}
 
 
 def _margin(logits: torch.Tensor) -> float:

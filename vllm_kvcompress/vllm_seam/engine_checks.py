@@ -143,7 +143,9 @@ def check_cuda_graphs(compilation) -> None:
 COMPRESSIBLE_LAYER_TYPE = "full_attention"
 # Layer kinds that may sit beside the compressed full-attention layers:
 # vLLM manages their cache, and they never see a compressed one.
-KEPT_LAYER_TYPES = ("sliding_attention",)
+# Gated DeltaNet layers (Qwen3-Next, Qwen3.5) keep a fixed-size recurrent
+# state in vLLM's Mamba-style cache: nothing there grows with the context.
+KEPT_LAYER_TYPES = ("sliding_attention", "linear_attention")
 
 
 def window_never_slides(model) -> bool:
@@ -175,6 +177,18 @@ def full_attention_layers(model) -> int | None:
     if num_layers == 0:
         raise _refuse("a model without full-attention layers (every layer is sliding-window)")
     return num_layers
+
+
+# Hybrids whose state-space layers are Gated DeltaNet ("linear_attention"),
+# left to vLLM as sliding-window layers are; their full-attention layers compress.
+GATED_DELTANET_MODELS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def gated_deltanet_hybrid(hf) -> bool:
+    """Whether the model's state-space layers are Gated DeltaNet ones (the layer
+    types themselves are checked by `full_attention_layers`)."""
+    return getattr(hf, "model_type", "") in GATED_DELTANET_MODELS and "linear_attention" in (
+        getattr(hf, "layer_types", None) or ())
 
 
 def unscored_attention(hf) -> tuple[str, str] | None:
@@ -212,7 +226,7 @@ def check_model(vllm_config) -> None:
     model = vllm_config.model_config
     if model.use_mla:
         raise _refuse("an MLA model (latent KV cache layout)")
-    if model.is_hybrid or model.is_attention_free:
+    if model.is_attention_free or (model.is_hybrid and not gated_deltanet_hybrid(model.hf_text_config)):
         raise _refuse("a hybrid state-space or attention-free model (Mamba-style layers)")
     unscored = unscored_attention(model.hf_text_config)
     if unscored is not None:

@@ -93,7 +93,12 @@ def wrap_get_kv_cache_groups(original):
             return groups
         # Beside the original: vllm.v1.core.kv_cache_utils on 0.32, kv_cache_planning from 0.33 on.
         create_kv_cache_group_specs = importlib.import_module(original.__module__).create_kv_cache_group_specs
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            MambaSpec,
+            SlidingWindowSpec,
+            UniformTypeKVCacheSpecs,
+        )
 
         from .block_manager import compressed_spec, register_compressed_spec
 
@@ -125,10 +130,13 @@ def wrap_get_kv_cache_groups(original):
             return compressed_spec(spec)
 
         for g in groups:
-            if not full(g.kv_cache_spec) and type(g.kv_cache_spec) is not SlidingWindowSpec:
+            # Beside them, vLLM keeps its own managers: sliding-window groups,
+            # and the Mamba-style state of Gated DeltaNet layers (engine_checks
+            # admits no other state-space hybrid).
+            if not full(g.kv_cache_spec) and type(g.kv_cache_spec) not in (SlidingWindowSpec, MambaSpec):
                 raise KVCompressConfigError(
-                    f"{CONFIG_KEY}: needs full-attention KV cache groups (sliding-window ones may sit beside "
-                    f"them), this model has {kinds}")
+                    f"{CONFIG_KEY}: needs full-attention KV cache groups (sliding-window or Gated DeltaNet ones "
+                    f"may sit beside them), this model has {kinds}")
         if not any(full(g.kv_cache_spec) for g in groups):
             raise KVCompressConfigError(f"{CONFIG_KEY}: this model has no full-attention layers to compress "
                                         f"(KV cache groups {kinds})")
