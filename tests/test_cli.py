@@ -255,6 +255,11 @@ FEATURE_CONFIGS = {
     "jamba": ("JambaConfig", dict(num_key_value_heads=2, intermediate_size=256, attn_layer_period=2,
                                   attn_layer_offset=1, expert_layer_period=4, num_experts=1, use_mamba_kernels=False),
               "JambaForCausalLM", "a hybrid state-space or attention-free model (Mamba-style layers)"),
+    "gemma4_text": ("Gemma4TextConfig", dict(num_key_value_heads=2, head_dim=64, intermediate_size=256,
+                                             num_kv_shared_layers=1, layer_types=["sliding_attention",
+                                                                                  "full_attention"],
+                                             hidden_size_per_layer_input=16, vocab_size_per_layer_input=2048),
+                    "Gemma4ForCausalLM", "KV cache shared across layers (gemma4_text num_kv_shared_layers=1"),
 }
 
 
@@ -279,7 +284,8 @@ def feature_models(tiny_model, tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.parametrize("name", sorted(FEATURE_CONFIGS))
 def test_model_features_the_scores_miss_are_refused_in_one_line(feature_models, name, capsys):
-    """Gemma 2's soft cap, ALiBi, MLA (DeepSeek V2), a Mamba hybrid (Jamba):
+    """Gemma 2's soft cap, ALiBi, MLA (DeepSeek V2), a Mamba hybrid (Jamba),
+    layers that share another's KV cache (Gemma 4's E-models):
     `vllm serve` exits 2 with one line naming the feature, before the engine
     starts (no traceback)."""
     error, err = serve_to_engine_config(["--model", feature_models[name], "--dtype", "float32",

@@ -240,6 +240,12 @@ def check_model(vllm_config) -> None:
                       f"hold copies of a head: use a size that divides the KV heads)")
     check_parallelism(vllm_config.parallel_config)
     check_speculation(vllm_config)
+    shared = getattr(model.hf_text_config, "num_kv_shared_layers", 0) or 0
+    if shared:
+        # Their attention reads an earlier layer's cache: compacting that
+        # layer for its own scores would move what they read.
+        raise _refuse(f"KV cache shared across layers ({model.hf_text_config.model_type} "
+                      f"num_kv_shared_layers={shared}: the last layers read earlier layers' caches)")
     if getattr(vllm_config.cache_config, "kv_sharing_fast_prefill", False):
         raise _refuse("kv_sharing_fast_prefill (it skips prefill tokens' queries the scorers observe)")
     config = KVCompressConfig.from_dict(vllm_config.additional_config[CONFIG_KEY], limits)
