@@ -253,3 +253,35 @@ def test_qwen3_next_prefix_caching_and_preemption(start_engine, qwen3_next):
     for prompt, config, (tokens, cached), single in zip(prompts, configs, got, alone):
         assert tokens == single, f"{config} hit {cached}: preempted or batched, another answer than alone"
         assert worst(prompt, config, tokens) <= BF16_LONG_DEFICIT, f"{config} hit {cached}"
+
+
+@pytest.mark.extended  # a TP 2 engine: ~60 s
+def test_gpt_oss_tensor_parallel_matches_the_reference():
+    """Each rank holds its heads' sink logits (vLLM shards them with the
+    heads): with tensor parallelism 2 every policy still gives the reference's
+    tokens, masked per-head budgets (adakv) and decode scoring included."""
+    import vllm.envs
+
+    from kvc_tools.models import build_tiny_gpt_oss, default_cache_root
+    from kvc_tools.reference_decoder import ReferenceDecoder
+
+    model = str(build_tiny_gpt_oss(default_cache_root() / "models" / "tiny-gpt-oss-seed0"))
+    configs = [{"policy": "snapkv", "budget": 48, "window": 8}, {"policy": "h2o", "budget": 56},
+               {"policy": "adakv", "budget": 48}, {"policy": "tova", "budget": 48},
+               {"policy": "keyformer", "budget": 48}, None]
+    prompts = random_prompts([150 + 11 * i for i in range(len(configs))], seed=5)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core per rank
+        engine = Engine(**engine_kwargs(model, kv_compress="none", tensor_parallel_size=2,
+                                        distributed_executor_backend="mp", num_gpu_blocks_override=400))
+        try:
+            got = engine.generate(prompts, NEW_TOKENS, configs)
+            stats = engine.stats()
+        finally:
+            engine.close()
+    vllm.envs.disable_envs_cache()
+    assert stats["compressions"] >= len(configs) - 1
+    reference = ReferenceDecoder(model)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict(config) if config else None
+        assert tokens == reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"], config
