@@ -749,6 +749,62 @@ def build_tiny_qwen3_next(
     return _build_tiny(path, "tiny-qwen3-next", params, make, force)
 
 
+def build_tiny_gemma4(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    layer_types: tuple[str, ...] = ("sliding_attention", "full_attention") * 2,
+    sliding_window: int = 64,
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    global_head_dim: int = 512,
+    per_layer_input: int = 16,
+    intermediate_size: int = 512,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    init_std: float = 0.08,
+    force: bool = False,
+) -> Path:
+    """Build (or return the cached) seeded random Gemma 4 (text) at ``path``.
+
+    Sliding-window layers (head size ``head_dim``) interleave with global
+    full-attention ones (head size ``global_head_dim``, 512 as released; RoPE
+    "proportional" over a quarter of the head); q, k and v are RMS-normalised
+    (no softmax scale); each layer also adds a gated per-layer input
+    (``per_layer_input`` wide), and no layer shares another's KV cache (the
+    E-models' sharing is refused). Same seeded init and tokenizer as
+    ``build_tiny_llama``; norm weights start at 1.
+    """
+    params = {
+        "seed": seed,
+        "layer_types": list(layer_types),
+        "sliding_window": sliding_window,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "global_head_dim": global_head_dim,
+        "per_layer_input": per_layer_input,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "init_std": init_std,
+    }
+
+    def make(tok, common):
+        from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+        cfg = Gemma4TextConfig(num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                               sliding_window=sliding_window, global_head_dim=global_head_dim,
+                               hidden_size_per_layer_input=per_layer_input, vocab_size_per_layer_input=vocab_size,
+                               num_kv_shared_layers=0, architectures=["Gemma4ForCausalLM"], **common)
+        return Gemma4ForCausalLM(cfg), 1.0
+
+    return _build_tiny(path, "tiny-gemma4", params, make, force)
+
+
 def build_tiny_phi3(
     path: str | Path,
     *,

@@ -185,6 +185,16 @@ class ReferenceDecoder:
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def _physical_keys(self, cache, layer: int, c: int, state: RequestTokens) -> torch.Tensor:
+        """[Hkv, T, D] the layer's cached keys in physical order (what its scorer may read)."""
+        return cache[layer][0]
+
+    def _compact(self, cache, layer: int, keep: torch.Tensor) -> None:
+        """Keep slots `keep` [Hkv, K] of the layer's dense cache, in order."""
+        keys, values = cache[layer]
+        idx = keep.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
+        cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
+
     def _empty_cache(self):
         empty = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.model.dtype)
         if "linear_attention" not in self.layer_types:
@@ -252,10 +262,8 @@ class ReferenceDecoder:
                 return
             assert state is not None
             for layer, c in self.compressed.items():
-                keys, values = cache[layer]
-                keep = state.select(c, targets[group_of_layer[c]], keys)
-                idx = keep.unsqueeze(-1).expand(-1, -1, self.head_dim)
-                cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
+                keep = state.select(c, targets[group_of_layer[c]], self._physical_keys(cache, layer, c, state))
+                self._compact(cache, layer, keep)
                 state.keep_selected(c, keep)
             if state.lower_of and not state.merged:
                 self._merge(cache, state, state.plan.merge, cache_dtype)

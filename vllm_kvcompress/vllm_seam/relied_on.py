@@ -165,6 +165,7 @@ attribute | vllm.v1.kv_cache_interface:FullAttentionSpec.block_size | 0.32-0.34 
 attribute | vllm.v1.kv_cache_interface:FullAttentionSpec.sliding_window | 0.32-0.34 | refuse merged sliding layers
 attribute | vllm.v1.kv_cache_interface:FullAttentionSpec.attention_chunk_size | 0.32-0.34 | refuse chunked attention
 class | vllm.v1.kv_cache_interface:SlidingWindowSpec | 0.32-0.34 | imported by groups.py
+class | vllm.v1.kv_cache_interface:MambaSpec | 0.32-0.34 | Gated DeltaNet state groups, left to vLLM (groups.py)
 class | vllm.v1.kv_cache_interface:UniformTypeKVCacheSpecs | 0.32-0.34 | imported by groups.py
 attribute | vllm.v1.kv_cache_interface:UniformTypeKVCacheSpecs.kv_cache_specs | 0.32-0.34 | per-layer specs
 attribute | vllm.v1.kv_cache_interface:KVCacheGroupSpec.kv_cache_spec | 0.32-0.34 | replaced per group

@@ -1,0 +1,129 @@
+"""The reference decoder through transformers' own forward pass.
+
+For models whose every part but attention is too much to write out again
+(Gemma 4: per-layer inputs, q/k/v norms, proportional partial RoPE, a global
+head size apart from the sliding one): transformers runs the model, and its
+attention calls, through `AttentionInterface`, the function here for every
+layer. A sliding-window layer gets transformers' own SDPA attention. A
+compressed (full-attention) layer attends, per KV head, to the logical
+positions the compression kept (`RequestTokens.positions`, in the engine's
+physical order), with each head's evicted slots masked, in float32, and feeds
+the observed queries' logits to the same `RequestTokens` bookkeeping the
+worker uses. transformers' cache keeps every key; compaction only changes
+which positions a layer reads, which is what compacting a cache does (keys
+are cached after RoPE, at their logical positions).
+
+Shares with the engine what `reference_decoder` shares (plan, schedule,
+scorers, selection); model code is transformers', attention here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvcompress.cache_layout import CacheDType
+from vllm_kvcompress.token_state import RequestTokens
+
+from .reference_decoder import ReferenceDecoder
+
+ATTENTION = "kvc_reference"
+# The decoder whose forward is running: transformers' attention calls carry no context of ours.
+_running: list[HFAttentionReference] = []
+
+
+class HFAttentionReference(ReferenceDecoder):
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM
+        from transformers.masking_utils import sdpa_mask
+
+        AttentionInterface.register(ATTENTION, _attention)
+        AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype,
+                                                          attn_implementation=ATTENTION).eval()
+        cfg = self.model.config.get_text_config()
+        self.num_layers = cfg.num_hidden_layers
+        self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers)
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+        if unknown or getattr(cfg, "num_kv_shared_layers", 0):
+            raise ValueError(f"HF reference: layer types {sorted(unknown)} or KV sharing are not supported")
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise ValueError("HF reference: attention logit soft caps are not supported (nor by the plugin)")
+        self.compressed = {layer: i for i, layer in enumerate(
+            layer for layer, t in enumerate(self.layer_types) if t == "full_attention")}
+        self.num_q_heads = cfg.num_attention_heads
+        layers = self.model.model.layers
+        kv_heads = {layers[i].self_attn.k_proj.out_features // layers[i].self_attn.head_dim for i in self.compressed}
+        if len(kv_heads) != 1:
+            raise ValueError(f"HF reference: compressed layers with different KV head counts {sorted(kv_heads)}")
+        self.num_kv_heads = kv_heads.pop()
+        self.step: tuple[RequestTokens | None, torch.Tensor, torch.Tensor | None] | None = None
+
+    def _empty_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _physical_keys(self, cache, layer: int, c: int, state: RequestTokens) -> torch.Tensor:
+        return _gather(cache.layers[layer].keys[0], state.positions(c))
+
+    def _compact(self, cache, layer: int, keep: torch.Tensor) -> None:
+        pass  # every key stays in transformers' cache; the layer reads only RequestTokens.positions
+
+    @torch.no_grad()
+    def _forward(self, tokens: list[int], positions: torch.Tensor, cache, state,
+                 cache_dtype: CacheDType) -> torch.Tensor:
+        if cache_dtype.name != "auto":
+            raise ValueError("HF reference: only kv_cache_dtype auto")
+        observed = state.observed(positions) if state is not None else None
+        if state is not None:
+            state.append(positions)
+        self.step = (state, positions, observed)
+        _running.append(self)
+        try:
+            out = self.model(input_ids=torch.tensor([tokens]), position_ids=positions.view(1, -1),
+                             past_key_values=cache, use_cache=True)
+        finally:
+            _running.pop()
+        return out.logits[0, -1].float()
+
+
+def _gather(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [H, T, D] at positions [H, K] -> [H, K, D]."""
+    return torch.gather(x, 1, positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface: query [1, Hq, n, D], key and value
+    [1, Hkv, T, D] (every cached position); returns ([1, n, Hq, D], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    decoder = _running[-1] if _running else None
+    c = None if decoder is None else decoder.compressed.get(module.layer_idx)
+    if c is None:  # a sliding-window layer: transformers' own attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    state, q_positions, observed = decoder.step
+    hq, n, head_dim = query.shape[1:]
+    hkv = key.shape[1]
+    group = hq // hkv
+    positions = state.positions(c) if state is not None else \
+        torch.arange(key.shape[2]).expand(hkv, -1)  # physical order: the engine's slots
+    keys, values = (_gather(x[0].float(), positions) for x in (key, value))
+    total = keys.shape[1]
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    logits = (query[0].float().reshape(hkv, group * n, head_dim) @ keys.transpose(1, 2)).view(hq, n, total) * scale
+    key_positions = positions.repeat_interleave(group, dim=0)  # [Hq, T]
+    logits = logits.masked_fill(key_positions.unsqueeze(1) > q_positions.view(1, -1, 1), float("-inf"))
+    dead = state.dead_slots(c, total) if state is not None else None
+    if dead is not None:  # per-head budgets: slots this head evicted
+        logits = logits.masked_fill(dead.repeat_interleave(group, dim=0).unsqueeze(1), float("-inf"))
+    sinks = getattr(module, "sinks", None)
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1)
+    else:  # each head's sink logit joins the denominator
+        probs = torch.softmax(torch.cat([logits, sinks.float().view(-1, 1, 1).expand(-1, n, 1)], dim=-1),
+                              dim=-1)[..., :-1]
+    out = (probs.reshape(hkv, group * n, total) @ values).view(hq, n, head_dim)
+    if observed is not None and observed.any():
+        state.observe(c, logits[:, observed], q_positions[observed], sinks)
+    return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
