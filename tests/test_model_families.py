@@ -285,3 +285,65 @@ def test_gpt_oss_tensor_parallel_matches_the_reference():
     for prompt, config, tokens in zip(prompts, configs, got):
         cfg = KVCompressConfig.from_dict(config) if config else None
         assert tokens == reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"], config
+
+
+@pytest.fixture(scope="module")
+def gemma4():
+    from kvc_tools.models import build_tiny_gemma4, default_cache_root
+
+    return str(build_tiny_gemma4(default_cache_root() / "models" / "tiny-gemma4-seed0"))
+
+
+@pytest.mark.mrv2
+def test_gemma4_every_policy_matches_the_reference(gemma4):
+    """Gemma 4 (global head size 512, q/k/v norms, per-layer inputs): its
+    full-attention layers compress, its sliding ones stay vLLM's. Every policy
+    in one batch gives the tokens of the reference run through transformers'
+    own forward (kvc_tools/hf_reference.py: the plugin's compression in its
+    attention); a budget above the need gives vanilla's tokens; blocks return."""
+    from kvc_tools.hf_reference import HFAttentionReference
+
+    lengths = [90 + 13 * i for i in range(len(POLICY_NAMES))] + [150, 150]
+    prompts = random_prompts(lengths, seed=71)
+    prompts[-1] = prompts[-2]
+    configs = [policy_config(p, 48 + 8 * (i % 3)) for i, p in enumerate(POLICY_NAMES)]
+    configs += [None, {"policy": "snapkv-span", "budget": 1000}]
+    engine = Engine(in_process=True, **engine_kwargs(gemma4, kv_compress="none"))
+    try:
+        got = engine.generate(prompts, NEW_TOKENS, configs)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert got[-1] == got[-2], "a budget above the need changed the tokens"
+    assert stats["compressions"] >= len(POLICY_NAMES) and stats["blocks_freed"] > 0
+    assert stats["free_blocks"] == stats["total_blocks"]
+    reference = HFAttentionReference(gemma4)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict(config) if config else None
+        assert tokens == reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"], \
+            f"{config} prompt {len(prompt)}"
+
+
+def test_the_transformers_reference_equals_the_written_out_one(tiny_model):
+    """kvc_tools/hf_reference.py against reference_decoder.py on the tiny
+    Llama: the same tokens for a prompt-time, a decode-time, a per-head and a
+    streaming policy (two independent references of the same math)."""
+    from kvc_tools.hf_reference import HFAttentionReference
+    from kvc_tools.reference_decoder import ReferenceDecoder
+
+    written, through_hf = ReferenceDecoder(tiny_model), HFAttentionReference(tiny_model)
+    prompts = random_prompts([120, 133, 147, 160], seed=73)
+    configs = [{"policy": "snapkv", "budget": 48, "window": 8}, {"policy": "h2o", "budget": 40},
+               {"policy": "adakv", "budget": 48}, {"policy": "streamingllm", "budget": 40, "prompt_chunk": 32}]
+    for prompt, config in zip(prompts, configs):
+        cfg = KVCompressConfig.from_dict(config)
+        want = written.generate(prompt, NEW_TOKENS, cfg, block_size=32)
+        got = through_hf.generate(prompt, NEW_TOKENS, cfg, block_size=32)
+        assert got["tokens"] == want["tokens"], config
+        assert all(torch_equal(a, b) for a, b in zip(got["kept_positions"], want["kept_positions"])), config
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
