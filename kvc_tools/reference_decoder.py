@@ -71,8 +71,6 @@ class ReferenceDecoder:
         # Model layer -> index among the compressed (full-attention) layers.
         self.compressed = {layer: i for i, layer in enumerate(
             layer for layer, t in enumerate(layer_types) if t == "full_attention")}
-        # RoPE over the first `rotary_dim` dims of a head (Qwen3-Next: a quarter), the rest passed through.
-        self.rotary_dim = int(self.head_dim * getattr(cfg, "partial_rotary_factor", 1.0))
 
     # ------------------------------------------------------------ model
 
@@ -92,9 +90,11 @@ class ReferenceDecoder:
             tables[layer_type] = (cos, sin)
         return tables
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [H, n, D] rotated by (cos, sin) [n, rotary_dim] (HF's rotate_half form) over its first rotary_dim dims."""
-        x, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [H, n, D] rotated by (cos, sin) [n, R] (HF's rotate_half form) over its first R
+        dims, the rest passed through (partial RoPE: Qwen3-Next rotates a quarter)."""
+        x, rest = x[..., : cos.shape[-1]], x[..., cos.shape[-1]:]
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return torch.cat([x * cos + rotated * sin, rest], dim=-1)
