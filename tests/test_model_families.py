@@ -14,6 +14,8 @@ tests/test_cli.py.)
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from helpers import Engine, engine_kwargs, random_prompts
@@ -50,31 +52,36 @@ def family(request):
     return str(build_tiny_qwen3(folder, moe=request.param == "qwen3-moe"))
 
 
-@pytest.mark.mrv2
-def test_every_policy_matches_the_reference(family):
-    """Every policy in one batch equals the reference; a budget above the
-    need gives the uncompressed tokens; compressed requests return blocks."""
-    from kvc_tools.reference_decoder import ReferenceDecoder
-
+def every_policy_matches(model: str, reference, seed: int) -> None:
+    """Every policy in one batch equals `reference` (a decoder of `model`); a
+    budget above the need gives the uncompressed tokens; compressed requests
+    return blocks mid-request and the pool is whole at the end."""
     lengths = [90 + 13 * i for i in range(len(POLICY_NAMES))] + [150, 150]
-    prompts = random_prompts(lengths, seed=59)
+    prompts = random_prompts(lengths, seed=seed)
     prompts[-1] = prompts[-2]
     configs = [policy_config(p, 48 + 8 * (i % 3)) for i, p in enumerate(POLICY_NAMES)]
     configs += [None, {"policy": "snapkv-span", "budget": 1000}]
-    engine = Engine(in_process=True, **engine_kwargs(family, kv_compress="none"))
+    engine = Engine(in_process=True, **engine_kwargs(model, kv_compress="none"))
     try:
         got = engine.generate(prompts, NEW_TOKENS, configs)
         stats = engine.stats()
     finally:
         engine.close()
-    reference = ReferenceDecoder(family)
-    for prompt, config, tokens in zip(prompts, configs, got):
-        cfg = KVCompressConfig.from_dict(config) if config else None
-        want = reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"]
-        assert tokens == want, f"{config} prompt {len(prompt)}"
     assert got[-1] == got[-2], "a budget above the need changed the tokens"
     assert stats["compressions"] >= len(POLICY_NAMES) and stats["blocks_freed"] > 0
     assert stats["free_blocks"] == stats["total_blocks"]
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict(config) if config else None
+        want = reference(model).generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"]
+        assert tokens == want, f"{config} prompt {len(prompt)}"
+
+
+@pytest.mark.mrv2
+def test_every_policy_matches_the_reference(family):
+    """Qwen3, Qwen3-MoE, gpt-oss against the written-out reference decoder."""
+    from kvc_tools.reference_decoder import ReferenceDecoder
+
+    every_policy_matches(family, functools.cache(ReferenceDecoder), seed=59)
 
 
 @pytest.mark.extended  # ~30 s; the default run keeps gpt-oss's every-policy test
@@ -303,25 +310,7 @@ def test_gemma4_every_policy_matches_the_reference(gemma4):
     attention); a budget above the need gives vanilla's tokens; blocks return."""
     from kvc_tools.hf_reference import HFAttentionReference
 
-    lengths = [90 + 13 * i for i in range(len(POLICY_NAMES))] + [150, 150]
-    prompts = random_prompts(lengths, seed=71)
-    prompts[-1] = prompts[-2]
-    configs = [policy_config(p, 48 + 8 * (i % 3)) for i, p in enumerate(POLICY_NAMES)]
-    configs += [None, {"policy": "snapkv-span", "budget": 1000}]
-    engine = Engine(in_process=True, **engine_kwargs(gemma4, kv_compress="none"))
-    try:
-        got = engine.generate(prompts, NEW_TOKENS, configs)
-        stats = engine.stats()
-    finally:
-        engine.close()
-    assert got[-1] == got[-2], "a budget above the need changed the tokens"
-    assert stats["compressions"] >= len(POLICY_NAMES) and stats["blocks_freed"] > 0
-    assert stats["free_blocks"] == stats["total_blocks"]
-    reference = HFAttentionReference(gemma4)
-    for prompt, config, tokens in zip(prompts, configs, got):
-        cfg = KVCompressConfig.from_dict(config) if config else None
-        assert tokens == reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"], \
-            f"{config} prompt {len(prompt)}"
+    every_policy_matches(gemma4, functools.cache(HFAttentionReference), seed=71)
 
 
 def test_the_transformers_reference_equals_the_written_out_one(tiny_model):
