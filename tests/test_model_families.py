@@ -193,6 +193,25 @@ def qwen3_next():
     return str(build_tiny_qwen3_next(default_cache_root() / "models" / "tiny-qwen3-next-seed0"))
 
 
+def test_qwen3_next_compresses_beside_its_deltanet_state(qwen3_next):
+    """The default run's Gated DeltaNet check (the reference ones are
+    extended): the engine starts with the DeltaNet state groups left to
+    vLLM, a budget above the need gives the uncompressed tokens, a small one
+    evicts and returns blocks mid-request, and the pool is whole after."""
+    engine = Engine(in_process=True, **engine_kwargs(qwen3_next, kv_compress="none", dtype="bfloat16"))
+    try:
+        prompt = random_prompts((400,), seed=66)[0]
+        settings = [None, {"policy": "snapkv", "budget": 1000}, {"policy": "snapkv", "budget": 64}]
+        got = engine.generate([prompt] * 3, NEW_TOKENS, settings)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert got[1] == got[0], "a budget above the need changed the tokens"
+    compressed = [r for r in stats["requests"].values() if r["tokens_evicted"] > 0]
+    assert len(compressed) == 1 and compressed[0]["blocks_freed"] > 0, stats["requests"]
+    assert stats["free_blocks"] == stats["total_blocks"]
+
+
 @pytest.mark.extended  # ~60 s (bfloat16 on CPU, a reference pass per request and policy)
 @pytest.mark.mrv2
 def test_qwen3_next_every_policy_follows_the_reference(qwen3_next):
