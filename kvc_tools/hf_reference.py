@@ -44,8 +44,10 @@ class HFAttentionReference(ReferenceDecoder):
         self.num_layers = cfg.num_hidden_layers
         self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * self.num_layers)
         unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
-        if unknown or getattr(cfg, "num_kv_shared_layers", 0):
-            raise ValueError(f"HF reference: layer types {sorted(unknown)} or KV sharing are not supported")
+        if unknown:
+            raise ValueError(f"HF reference: layer types {sorted(unknown)} are not supported")
+        if getattr(cfg, "num_kv_shared_layers", 0):
+            raise ValueError("HF reference: KV caches shared across layers are not supported (nor by the plugin)")
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
             raise ValueError("HF reference: attention logit soft caps are not supported (nor by the plugin)")
         self.compressed = {layer: i for i, layer in enumerate(
@@ -99,7 +101,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
     decoder = _running[-1] if _running else None
     c = None if decoder is None else decoder.compressed.get(module.layer_idx)
-    if c is None:  # a sliding-window layer: transformers' own attention
+    if decoder is None or c is None or decoder.step is None:  # a sliding-window layer: transformers' own
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     state, q_positions, observed = decoder.step
@@ -124,6 +126,6 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         probs = torch.softmax(torch.cat([logits, sinks.float().view(-1, 1, 1).expand(-1, n, 1)], dim=-1),
                               dim=-1)[..., :-1]
     out = (probs.reshape(hkv, group * n, total) @ values).view(hq, n, head_dim)
-    if observed is not None and observed.any():
+    if state is not None and observed is not None and observed.any():
         state.observe(c, logits[:, observed], q_positions[observed], sinks)
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None
