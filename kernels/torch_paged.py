@@ -40,6 +40,12 @@ def softmax_with_sinks(logits: torch.Tensor, sinks: Optional[torch.Tensor]) -> t
     return torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
 
 
+def check_sinks(op: str, sinks: Optional[torch.Tensor], num_q_heads: int) -> None:
+    """``sinks``: None, or one float32 logit per query head (shared with the Triton ops)."""
+    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_q_heads,)):
+        raise ValueError(f"{op}: sinks must be float32 [Hq={num_q_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
+
+
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -208,7 +214,6 @@ def merged_attention(
                    upper_values=upper_values, upper_blocks=upper_blocks, key_slot=key_slot, key_scale=key_scale,
                    value_slot=value_slot, value_scale=value_scale)
     from ..merge import restore  # the formula the merge and the reference decoder use
-    from .torch_scores import check_sinks
 
     check_sinks("merged_attention", sinks, query.shape[1])
 

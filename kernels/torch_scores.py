@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import torch_paged
-from .torch_paged import LogitsTransform, _cdiv, _check_devices, gather_dense, softmax_with_sinks
+from .torch_paged import LogitsTransform, _cdiv, _check_devices, check_sinks, gather_dense, softmax_with_sinks
 
 # ---------------------------------------------------------------------------------------
 # (a) observation-window scores (SnapKV / PyramidKV / ...)
@@ -242,12 +242,6 @@ def accumulate_decode_scores(
             p = softmax_with_sinks(x.masked_fill(~valid, float("-inf")), sink)
         scores_out[r0:r1, :, :t] += torch.where(valid, p, torch.zeros((), device=dev))
     return scores_out
-
-
-def check_sinks(op: str, sinks: Optional[torch.Tensor], num_q_heads: int) -> None:
-    """``sinks``: None, or one float32 logit per query head (shared with the Triton ops)."""
-    if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (num_q_heads,)):
-        raise ValueError(f"{op}: sinks must be float32 [Hq={num_q_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
 
 
 def _check_decode_attention(

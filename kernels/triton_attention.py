@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .torch_scores import _check_decode_attention, check_sinks
+from .torch_paged import check_sinks
+from .torch_scores import _check_decode_attention
 from .triton_common import (
     _LOG2E,
     _NEG,

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .torch_paged import check_sinks
+
 _LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima (avoids inf - inf = nan)
 
@@ -113,8 +115,6 @@ def _fold_sinks(m, l, sinks_ptr, offs, mask, HAS_SINKS: tl.constexpr):
 def _sinks_log2(op: str, sinks: Optional[torch.Tensor], hq: int, fallback: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """The sinks in log2 units (float32, contiguous) and whether there are any
     (``fallback``: a placeholder pointer, never read, when there are none)."""
-    from .torch_scores import check_sinks
-
     check_sinks(op, sinks, hq)
     if sinks is None:
         return fallback, False
