@@ -24,7 +24,7 @@ import torch
 from vllm_kvcompress.cache_layout import CacheDType
 from vllm_kvcompress.token_state import RequestTokens
 
-from .reference_decoder import ReferenceDecoder
+from .reference_decoder import ReferenceDecoder, dense_attention, gather_slots
 
 ATTENTION = "kvc_reference"
 # The decoder whose forward is running: transformers' attention calls carry no context of ours.
@@ -66,7 +66,7 @@ class HFAttentionReference(ReferenceDecoder):
         return DynamicCache(config=self.model.config)
 
     def _physical_keys(self, cache, layer: int, c: int, state: RequestTokens) -> torch.Tensor:
-        return _gather(cache.layers[layer].keys[0], state.positions(c))
+        return gather_slots(cache.layers[layer].keys[0], state.positions(c))
 
     def _compact(self, cache, layer: int, keep: torch.Tensor) -> None:
         pass  # every key stays in transformers' cache; the layer reads only RequestTokens.positions
@@ -89,11 +89,6 @@ class HFAttentionReference(ReferenceDecoder):
         return out.logits[0, -1].float()
 
 
-def _gather(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """x [H, T, D] at positions [H, K] -> [H, K, D]."""
-    return torch.gather(x, 1, positions.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-
-
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface: query [1, Hq, n, D], key and value
     [1, Hkv, T, D] (every cached position); returns ([1, n, Hq, D], None)."""
@@ -105,27 +100,15 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     state, q_positions, observed = decoder.step
-    hq, n, head_dim = query.shape[1:]
-    hkv = key.shape[1]
-    group = hq // hkv
+    hkv, group = key.shape[1], query.shape[1] // key.shape[1]
     positions = state.positions(c) if state is not None else \
         torch.arange(key.shape[2]).expand(hkv, -1)  # physical order: the engine's slots
-    keys, values = (_gather(x[0].float(), positions) for x in (key, value))
-    total = keys.shape[1]
-    scale = head_dim ** -0.5 if scaling is None else scaling
-    logits = (query[0].float().reshape(hkv, group * n, head_dim) @ keys.transpose(1, 2)).view(hq, n, total) * scale
-    key_positions = positions.repeat_interleave(group, dim=0)  # [Hq, T]
-    logits = logits.masked_fill(key_positions.unsqueeze(1) > q_positions.view(1, -1, 1), float("-inf"))
-    dead = state.dead_slots(c, total) if state is not None else None
-    if dead is not None:  # per-head budgets: slots this head evicted
-        logits = logits.masked_fill(dead.repeat_interleave(group, dim=0).unsqueeze(1), float("-inf"))
+    keys, values = (gather_slots(x[0], positions) for x in (key, value))
+    hidden = positions.repeat_interleave(group, dim=0).unsqueeze(1) > q_positions.view(1, -1, 1)  # causal, logical
+    dead = state.dead_slots(c, keys.shape[1]) if state is not None else None
     sinks = getattr(module, "sinks", None)
-    if sinks is None:
-        probs = torch.softmax(logits, dim=-1)
-    else:  # each head's sink logit joins the denominator
-        probs = torch.softmax(torch.cat([logits, sinks.float().view(-1, 1, 1).expand(-1, n, 1)], dim=-1),
-                              dim=-1)[..., :-1]
-    out = (probs.reshape(hkv, group * n, total) @ values).view(hq, n, head_dim)
+    out, logits = dense_attention(query[0], keys, values, query.shape[-1] ** -0.5 if scaling is None else scaling,
+                                  hidden, dead, sinks)
     if state is not None and observed is not None and observed.any():
         state.observe(c, logits[:, observed], q_positions[observed], sinks)
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None

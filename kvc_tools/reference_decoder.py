@@ -110,7 +110,6 @@ class ReferenceDecoder:
         if state is not None:
             state.append(positions)
         rope = self._rope_tables(x, positions)
-        group = self.num_q_heads // self.num_kv_heads
         for layer_idx, layer in enumerate(m.layers):
             h = layer.input_layernorm(x)
             if self.layer_types[layer_idx] == "linear_attention":
@@ -139,32 +138,20 @@ class ReferenceDecoder:
             keys, values = torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1)
             cache[layer_idx] = (keys, values)
             total = keys.shape[1]
-            # GQA: query head h reads KV head h // group; the group's queries
-            # are stacked as rows of one matmul per KV head.
-            # In float32 whatever the model's dtype (a 16-bit model's too: vLLM's
-            # CPU kernel computes attention in float32 on the stored values).
-            grouped = q.float().reshape(self.num_kv_heads, group * n, self.head_dim)
-            logits = (grouped @ keys.float().transpose(1, 2)).view(self.num_q_heads, n, total) * self.scale
             window = self.window[layer_idx]
+            hidden = None
             if n > 1 or window is not None:
                 # Query i sits at physical slot total - n + i and sees slots <= it.
                 q_slot = (total - n + torch.arange(n)).view(-1, 1)
                 visible = torch.arange(total).view(1, -1) <= q_slot
                 if window is not None:  # never compressed: slots are logical positions
                     visible &= torch.arange(total).view(1, -1) > q_slot - window
-                logits = logits.masked_fill(~visible, float("-inf"))
+                hidden = ~visible
             c = self.compressed.get(layer_idx)  # None: a sliding-window layer
             dead = state.dead_slots(c, total) if state is not None and c is not None else None
-            if dead is not None:  # per-head budgets: slots this head evicted
-                logits = logits.masked_fill(dead.repeat_interleave(group, dim=0).unsqueeze(1), float("-inf"))
             sinks = self.sinks[layer_idx]
-            if sinks is None:
-                probs = torch.softmax(logits, dim=-1)
-            else:  # each head's sink logit joins the denominator; it has no value
-                sink_column = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
-                probs = torch.softmax(torch.cat([logits, sink_column], dim=-1), dim=-1)[..., :-1]
-            attended = (probs.reshape(self.num_kv_heads, group * n, total) @ values.float()).to(x.dtype)
-            attended = attended.view(self.num_q_heads, n, self.head_dim).transpose(0, 1).reshape(n, -1)
+            attended, logits = dense_attention(q, keys, values, self.scale, hidden, dead, sinks)
+            attended = attended.to(x.dtype).transpose(0, 1).reshape(n, -1)
             out = attn.o_proj(attended if gate is None else attended * torch.sigmoid(gate))
             if self.gemma:  # sandwich norms around attention and MLP
                 x = x + layer.post_attention_layernorm(out)
@@ -191,9 +178,7 @@ class ReferenceDecoder:
 
     def _compact(self, cache, layer: int, keep: torch.Tensor) -> None:
         """Keep slots `keep` [Hkv, K] of the layer's dense cache, in order."""
-        keys, values = cache[layer]
-        idx = keep.unsqueeze(-1).expand(-1, -1, keys.shape[-1])
-        cache[layer] = (torch.gather(keys, 1, idx), torch.gather(values, 1, idx))
+        cache[layer] = tuple(gather_slots(x, keep) for x in cache[layer])
 
     def _empty_cache(self):
         empty = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.model.dtype)
@@ -309,6 +294,40 @@ class ReferenceDecoder:
         dead = [0 if d is None else int(d.sum()) for d in state.dead] if state else None
         return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths,
                 "compressed_at": compressed_at, "dead_slots": dead, "margins": margins, "deficits": deficits}
+
+
+def gather_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x [H, T, D] at slots [H, K] (per head) -> [H, K, D]."""
+    return torch.gather(x, 1, slots.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                    hidden: torch.Tensor | None, dead: torch.Tensor | None,
+                    sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The references' attention, in float32 whatever the model's dtype (vLLM's
+    CPU kernel computes attention in float32 on the stored values).
+
+    q [Hq, n, D] over keys and values [Hkv, T, D] (query head h reads KV head
+    h // G: the group's queries stacked as rows of one matmul per KV head);
+    `hidden` (broadcasts to [Hq, n, T]) True where a query may not look; `dead`
+    [Hkv, T] a head's evicted slots (per-head budgets); `sinks` [Hq] each
+    head's sink logit in the denominator, with no value (gpt-oss). Returns the
+    output [Hq, n, D] and the masked logits [Hq, n, T] a scorer observes."""
+    hq, n, head_dim = q.shape
+    hkv, total = keys.shape[:2]
+    group = hq // hkv
+    logits = (q.float().reshape(hkv, group * n, head_dim) @ keys.float().transpose(1, 2)).view(hq, n, total) * scale
+    if hidden is not None:
+        logits = logits.masked_fill(hidden, float("-inf"))
+    if dead is not None:
+        logits = logits.masked_fill(dead.repeat_interleave(group, dim=0).unsqueeze(1), float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        sink_column = sinks.float().view(-1, 1, 1).expand(-1, n, 1)
+        probs = torch.softmax(torch.cat([logits, sink_column], dim=-1), dim=-1)[..., :-1]
+    out = (probs.reshape(hkv, group * n, total) @ values.float()).view(hq, n, head_dim)
+    return out, logits
 
 
 def _margin(logits: torch.Tensor) -> float:

@@ -52,24 +52,35 @@ def family(request):
     return str(build_tiny_qwen3(folder, moe=request.param == "qwen3-moe"))
 
 
-def every_policy_matches(model: str, reference, seed: int) -> None:
-    """Every policy in one batch equals `reference` (a decoder of `model`); a
-    budget above the need gives the uncompressed tokens; compressed requests
-    return blocks mid-request and the pool is whole at the end."""
-    lengths = [90 + 13 * i for i in range(len(POLICY_NAMES))] + [150, 150]
+def run_every_policy(model: str, seed: int, names=POLICY_NAMES, shortest: int = 90, longest: int = 150,
+                     per_request: dict | None = None, **engine_overrides):
+    """Every policy of `names` in one batch (prompts from `shortest` up, 13
+    tokens apart), then an uncompressed request and the same prompt (`longest`
+    tokens) with a budget above the need: that one gives the uncompressed
+    tokens, the compressed ones return blocks mid-request and the pool is whole
+    at the end. `per_request`: settings added to each request's. Returns
+    (prompts, request settings, tokens)."""
+    extra = per_request or {}
+    lengths = [shortest + 13 * i for i in range(len(names))] + [longest, longest]
     prompts = random_prompts(lengths, seed=seed)
     prompts[-1] = prompts[-2]
-    configs = [policy_config(p, 48 + 8 * (i % 3)) for i, p in enumerate(POLICY_NAMES)]
-    configs += [None, {"policy": "snapkv-span", "budget": 1000}]
-    engine = Engine(in_process=True, **engine_kwargs(model, kv_compress="none"))
+    configs = [{**policy_config(p, 48 + 8 * (i % 3)), **extra} for i, p in enumerate(names)]
+    configs += [None, {"policy": "snapkv-span", "budget": 1000, **extra}]
+    engine = Engine(in_process=True, **engine_kwargs(model, kv_compress="none", **engine_overrides))
     try:
         got = engine.generate(prompts, NEW_TOKENS, configs)
         stats = engine.stats()
     finally:
         engine.close()
     assert got[-1] == got[-2], "a budget above the need changed the tokens"
-    assert stats["compressions"] >= len(POLICY_NAMES) and stats["blocks_freed"] > 0
+    assert stats["compressions"] >= len(names) and stats["blocks_freed"] > 0
     assert stats["free_blocks"] == stats["total_blocks"]
+    return prompts, configs, got
+
+
+def every_policy_matches(model: str, reference, seed: int) -> None:
+    """`run_every_policy`, and each request's tokens equal `reference`'s (a decoder of `model`)."""
+    prompts, configs, got = run_every_policy(model, seed)
     for prompt, config, tokens in zip(prompts, configs, got):
         cfg = KVCompressConfig.from_dict(config) if config else None
         want = reference(model).generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"]
@@ -226,21 +237,9 @@ def test_qwen3_next_every_policy_follows_the_reference(qwen3_next):
     gives vanilla's tokens exactly; blocks return mid-request."""
     # Two KV cache groups of attention layers: per-layer budgets too.
     names = POLICY_NAMES + ["pyramidkv", "adaptive"]
-    lengths = [300 + 13 * i for i in range(len(names))] + [400, 400]
-    prompts = random_prompts(lengths, seed=67)
-    prompts[-1] = prompts[-2]
-    configs = [{**policy_config(p, 48 + 8 * (i % 3)), "layer_groups": 2} for i, p in enumerate(names)]
-    configs += [None, {"policy": "snapkv-span", "budget": 1000, "layer_groups": 2}]
-    engine = Engine(in_process=True, **engine_kwargs(qwen3_next, kv_compress="none", dtype="bfloat16",
-                                                     kv_compress_layer_groups=2))
-    try:
-        got = engine.generate(prompts, NEW_TOKENS, configs)
-        stats = engine.stats()
-    finally:
-        engine.close()
-    assert got[-1] == got[-2], "a budget above the need changed the tokens"
-    assert stats["compressions"] >= len(names) and stats["blocks_freed"] > 0
-    assert stats["free_blocks"] == stats["total_blocks"]
+    prompts, configs, got = run_every_policy(qwen3_next, 67, names, shortest=300, longest=400,
+                                             per_request={"layer_groups": 2}, dtype="bfloat16",
+                                             kv_compress_layer_groups=2)
     worst = worst_deficit(qwen3_next, NEW_TOKENS)
     own = {i: worst(p, c, t) for i, (p, c, t) in enumerate(zip(prompts, configs, got))}
     for i in (-2, -1, *(i for i, name in enumerate(names) if name in POSITIONAL)):
@@ -334,8 +333,10 @@ def test_gemma4_every_policy_matches_the_reference(gemma4):
 
 def test_the_transformers_reference_equals_the_written_out_one(tiny_model):
     """kvc_tools/hf_reference.py against reference_decoder.py on the tiny
-    Llama: the same tokens for a prompt-time, a decode-time, a per-head and a
-    streaming policy (two independent references of the same math)."""
+    Llama: the same tokens and kept positions for a prompt-time, a decode-time,
+    a per-head and a streaming policy (transformers' model code and cache
+    against the written-out forward and dense caches; both attend through
+    reference_decoder.dense_attention)."""
     from kvc_tools.hf_reference import HFAttentionReference
     from kvc_tools.reference_decoder import ReferenceDecoder
 
