@@ -161,7 +161,8 @@ def test_the_kept_forecast_admits_what_the_rebuilt_rule_admits(seed):
             # capacity grows with free, nothing else does): checked at the
             # threshold, here, and the kept forecast at it and elsewhere.
             assert todays_rule(running, new, need, groups, sim.max_sched)
-            for free in (need - 1, need, need + rng.randint(1, 20), rng.randint(0, 200)):
+            # (and far above it, where admission takes its shortcut)
+            for free in (need - 1, need, need + rng.randint(1, 20), rng.randint(0, 200), need + rng.randint(0, 5000)):
                 assert forecast.admits(new, free) == (free >= need), (seed, step, free, need)
                 checks += 1
             if rng.random() < 0.6:  # started in this step: the next check sees it running

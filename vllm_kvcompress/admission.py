@@ -19,7 +19,9 @@ into one array indexed by absolute step. A request that computes a token a
 step has the same future in absolute steps at every step, so its share is
 rebuilt only when what it depends on changes (a compression, reported
 budgets, a chunk of prefill, a step it was not scheduled in); a check costs
-the new request's own steps ahead.
+the new request's own steps ahead, and nothing of them where the most it
+could ever hold (every token in every group) fits beside the running
+requests' peak (most checks while memory is not short).
 
 Plain code: the scheduler (vllm_seam/scheduler.py) hands it each request's
 lengths and blocks (`Outlook`).
@@ -130,6 +132,7 @@ class _Share:
     built: int  # the step it was built at: its step t is absolute step built + t
     held: int
     now: int
+    ahead: np.ndarray  # timeline.ahead(), as added into the demand
 
 
 class GrowthForecast:
@@ -153,6 +156,8 @@ class GrowthForecast:
         self._now = 0  # blocks at this step (each share's `now`)
         self._held = 0  # blocks the running requests hold
         self.updates = self.rebuilds = 0  # shares brought up to date, and rebuilt for it
+        self._changes = 0  # edits of `_demand`, for `_peak_ahead`'s cache
+        self._peak: tuple[tuple[int, int], int] | None = None
 
     def timeline(self, outlook: Outlook, running: bool) -> Timeline:
         return Timeline.of(outlook, running, self.block_size, self.num_groups, self.max_num_scheduled_tokens)
@@ -183,7 +188,15 @@ class GrowthForecast:
         share = self._shares.get(request_id)
         self.updates += 1
         if share is not None and share.key == key and share.schedule is schedule:
-            now = share.timeline.now_at(outlook.held, outlook.total)
+            since = self.step - share.built
+            if share.timeline.prefill:
+                now = outlook.held
+            elif 0 < since <= len(share.ahead):
+                # A token a step since it was built: its blocks now are its
+                # timeline's at this step (`now_at`, read from the array).
+                now = max(outlook.held, int(share.ahead[since - 1]))
+            else:
+                now = share.timeline.now_at(outlook.held, outlook.total)
         else:
             held, now = 0, 0
             if share is not None:
@@ -191,7 +204,7 @@ class GrowthForecast:
                 held, now = share.held, share.now
             timeline = self.timeline(outlook, running=True)
             self.rebuilds += 1
-            share = _Share(key, schedule, timeline, self.step, held, now)
+            share = _Share(key, schedule, timeline, self.step, held, now, timeline.ahead())
             self._shares[request_id] = share
             self._add(share, 1)
             now = timeline.now
@@ -210,8 +223,14 @@ class GrowthForecast:
         """Whether a waiting request fits at every step ahead beside the
         running ones: `free_blocks` free (less the watermark) and the blocks
         they hold."""
-        timeline = self.timeline(outlook, running=False)
         capacity = free_blocks + self._held
+        # The most it could hold at any step (every token in every group) fits
+        # beside the running requests' most: admitted without its timeline
+        # (most checks where memory is not short).
+        most = self.num_groups * cdiv(outlook.final, self.block_size)
+        if self._now + most <= capacity and self._peak_ahead() + most <= capacity:
+            return True
+        timeline = self.timeline(outlook, running=False)
         if self._now + timeline.now > capacity:
             return False
         first, last = self.step + 1, self.step + timeline.last_step
@@ -224,9 +243,18 @@ class GrowthForecast:
         rest = self._demand[max(last + 1, first) - self._base: self._end - self._base]
         return rest.size == 0 or int(rest.max()) <= capacity
 
+    def _peak_ahead(self) -> int:
+        """The most the running requests hold at any step after this one."""
+        key = (self.step, self._changes)
+        if self._peak is None or self._peak[0] != key:
+            ahead = self._demand[self.step + 1 - self._base: self._end - self._base]
+            self._peak = (key, int(ahead.max()) if ahead.size else 0)
+        return self._peak[1]
+
     def _add(self, share: _Share, sign: int) -> None:
         """Add a share's steps ahead into the demand (sign -1: take them out)."""
         timeline = share.timeline
+        self._changes += 1
         first, last = share.built + 1, share.built + timeline.last_step
         lo = max(first, self._base, self.step + 1 if sign < 0 else first)
         if last < lo:
@@ -235,5 +263,5 @@ class GrowthForecast:
             grown: np.ndarray = np.zeros(max(2 * len(self._demand), last + 1 - self._base), dtype=np.int64)
             grown[:len(self._demand)] = self._demand
             self._demand = grown
-        self._demand[lo - self._base: last + 1 - self._base] += sign * timeline.ahead()[lo - first:]
+        self._demand[lo - self._base: last + 1 - self._base] += sign * share.ahead[lo - first:]
         self._end = max(self._end, last + 1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 COUNTS: Counter[str] = Counter()  # reason -> reads, in this process
@@ -28,6 +29,15 @@ def read(tensor: torch.Tensor, why: str) -> torch.Tensor:
 def read_list(tensor: torch.Tensor, why: str) -> list:
     """`tensor` as (nested) Python numbers: one transfer, counted under `why`."""
     return read(tensor, why).tolist()
+
+
+def host_list(array: np.ndarray) -> list:
+    """A host array (vLLM's CPU-side step inputs) as Python numbers: no
+    device involved, nothing counted; here so that the package's only
+    `.tolist()` calls are in this module."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"host_list takes a host numpy array, got {type(array).__name__}")
+    return array.tolist()
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -146,20 +146,29 @@ class RequestTokens:
         request with nothing to observe costs no tensor work."""
         if not self.needs_attention:
             return False
+        span = self._observed_span()
+        return span is None or max(first, span[0]) < min(first + n, span[1])
+
+    def _observed_span(self) -> tuple[int, int] | None:
+        """The logical positions whose queries may be observed as things stand,
+        past the protected start (None: any), cached per `next_due`."""
         cached = self._span_of
-        if cached is not None and cached[0] == self.next_due:
-            span = cached[1]
-        else:
+        if cached is None or cached[0] != self.next_due:
             span = self.scorer.observe.span(self.plan.prompt_len, self.scorer.window_queries(), self.next_due)
-            self._span_of = (self.next_due, span)
-        if span is None:
-            return True
-        return max(first, span[0], self.plan.protected_len) < min(first + n, span[1])
+            cached = self._span_of = (self.next_due, None if span is None else
+                                      (max(span[0], self.plan.protected_len), span[1]))
+        return cached[1]
 
     def quiet(self, first: int, n: int) -> bool:
         """Whether the step's queries [first, first + n) need no attention
-        pass: none observed, no head with dead slots, no merged layer."""
-        return not self.merged and not self.masks_heads and not self.observes_any(first, n)
+        pass: none observed, no head with dead slots, no merged layer. Called
+        per request and step: `observes_any` inline."""
+        if self.merged or self._num_dead:
+            return False
+        if not self.needs_attention:
+            return True
+        span = self._observed_span()
+        return span is not None and max(first, span[0]) >= min(first + n, span[1])
 
     @property
     def masks_heads(self) -> bool:

@@ -89,15 +89,6 @@ class CompressedAttentionManager(FullAttentionManager):
         # needs (as vLLM caps sliding-window requests at their window).
         self.max_tokens: dict[str, int] = {}
 
-    def _physical(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
-                  apply_admission_cap: bool) -> tuple[int, int]:
-        evicted = self.num_evicted.get(request_id, 0)
-        num_tokens, num_tokens_main_model = num_tokens - evicted, num_tokens_main_model - evicted
-        cap = self.max_tokens.get(request_id) if apply_admission_cap else None
-        if cap is not None:
-            num_tokens, num_tokens_main_model = min(num_tokens, cap), min(num_tokens_main_model, cap)
-        return num_tokens, num_tokens_main_model
-
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -109,8 +100,13 @@ class CompressedAttentionManager(FullAttentionManager):
         apply_admission_cap: bool = False,
         prefill_end: int = 0,
     ) -> int:
-        num_tokens, num_tokens_main_model = self._physical(
-            request_id, num_tokens, num_tokens_main_model, apply_admission_cap)
+        # Called per request per step: the physical lengths are worked out
+        # inline (a helper's frame here is a measurable share of a step).
+        evicted = self.num_evicted.get(request_id, 0)
+        num_tokens, num_tokens_main_model = num_tokens - evicted, num_tokens_main_model - evicted
+        cap = self.max_tokens.get(request_id) if apply_admission_cap else None
+        if cap is not None:
+            num_tokens, num_tokens_main_model = min(num_tokens, cap), min(num_tokens_main_model, cap)
         return super().get_num_blocks_to_allocate(
             request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_local_computed_tokens,
             num_tokens_main_model, apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
@@ -118,8 +114,8 @@ class CompressedAttentionManager(FullAttentionManager):
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
         # Never capped: vLLM allocates only for the tokens it schedules, and a
         # streamed prompt's chunks end where its evictions are due.
-        num_tokens, num_tokens_main_model = self._physical(request_id, num_tokens, num_tokens_main_model, False)
-        return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        evicted = self.num_evicted.get(request_id, 0)
+        return super().allocate_new_blocks(request_id, num_tokens - evicted, num_tokens_main_model - evicted)
 
     def copies_needed(self, request_id: str, physical_len: int, protected_len: int) -> int | None:
         """Fresh blocks a compaction to `physical_len` needs (0: it rewrites in place).

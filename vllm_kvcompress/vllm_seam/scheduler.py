@@ -88,6 +88,19 @@ class KVCompressScheduler(Scheduler):
         # (StepPlan.next_due carries only changes).
         self._kvc_planned: set[str] = set()
         self._kvc_due_sent: dict[str, int | None] = {}
+        # Running requests that may have a compression due at the next step:
+        # those whose length reached their `quiet_below` (seen where vLLM
+        # sizes each request's chunk, `_reserve_prefill_lookahead`), whose
+        # `quiet_below` was reset (a compression, reported budgets, a new
+        # state), or that were scheduled without passing there. The others
+        # are between their compressions: the step does not look at them.
+        self._kvc_may_be_due: set[str] = set()
+        self._kvc_sized: set[str] = set()  # requests whose chunk was sized in this step
+        # Requests whose next_due may differ from what their workers have:
+        # new ones, and those whose compression was looked at (only that
+        # changes `quiet_below`; below it a request's next_due stays as sent).
+        # Kept until the request is next scheduled.
+        self._kvc_due_check: set[str] = set()
         # Inside update_from_output, requests that end leave the /metrics
         # snapshot to its end (one write a step, however many ended).
         self._kvc_updating = False
@@ -143,6 +156,8 @@ class KVCompressScheduler(Scheduler):
             self.kvc_states[request.request_id] = state
             if plan is not None:
                 self._kvc_planned.add(rid)
+                self._kvc_due_check.add(rid)
+                self._kvc_may_be_due.add(rid)
             cap = state.max_physical(request.num_tokens)
             for manager in self._kvc_managers:
                 manager.set_admission_cap(request.request_id, cap)
@@ -166,10 +181,13 @@ class KVCompressScheduler(Scheduler):
         # their fresh blocks (`release_evicted`).
         released: list = []
         states = self.kvc_states
-        for request in list(self.running):
-            state = states.get(request.request_id)
-            if state is not None and request.num_computed_tokens < state.quiet_below:
-                continue  # between its compressions (most requests, most steps): nothing is due
+        # A request between its compressions (most requests, most steps) has
+        # nothing due, and is not looked at (`_kvc_may_be_due`); the others in
+        # the running order, as vLLM's.
+        candidates, self._kvc_may_be_due = self._kvc_may_be_due, set()
+        due = [r for r in self.running if r.request_id in candidates] if candidates else []
+        self._kvc_due_check.update(r.request_id for r in due)
+        for request in due:
             try:
                 op = self._plan_compression(request, released)
             except Exception as e:  # noqa: BLE001 - one request's compaction, never the engine
@@ -180,6 +198,12 @@ class KVCompressScheduler(Scheduler):
                 continue
             if op is not None:
                 ops.append(op)
+        # Still at or past `quiet_below` (a compression resets it): looked at
+        # next step too, scheduled or not (a request not looked at is below it).
+        for request in due:
+            state = states.get(request.request_id)
+            if state is not None and request.num_computed_tokens >= state.quiet_below:
+                self._kvc_may_be_due.add(request.request_id)
         self.kv_cache_manager.block_pool.free_blocks(released)
         return ops
 
@@ -219,13 +243,17 @@ class KVCompressScheduler(Scheduler):
         settled = {rid: self.requests[rid].num_computed_tokens for rid in self._kvc_speculated if rid in self.requests}
         self._kvc_step += 1
         ops = self._plan_compressions()
+        self._kvc_sized.clear()
         try:
             output = super().schedule(*args, **kwargs)
         finally:
             self._kvc_held_back.clear()
+        # Scheduled without vLLM asking `_reserve_prefill_lookahead` (none
+        # known on 0.32-0.34): their lengths moved unseen, so they are looked at.
+        self._kvc_may_be_due.update(output.num_scheduled_tokens.keys() - self._kvc_sized)
         # New and resumed requests get their state in the step that prefills
         # them: the workers observe prompt queries from the first chunk on.
-        for rid in output.num_scheduled_tokens:
+        for rid in output.num_scheduled_tokens.keys() - self.kvc_states.keys():
             self._request_state(self.requests[rid])
         # A request preempted in this step already gave back all its blocks;
         # its state (and any op) is gone.
@@ -247,16 +275,23 @@ class KVCompressScheduler(Scheduler):
     def _next_due_changes(self, scheduled: dict[str, int]) -> dict[str, int | None]:
         """Where each scheduled request with a plan next compresses, from its
         length before this step's tokens, for those whose workers have
-        another value (or none yet): between its compressions a request
-        keeps its value."""
-        states, requests, sent = self.kvc_states, self.requests, self._kvc_due_sent
+        another value (or none yet).
+
+        Only requests in `_kvc_due_check` are looked at: a request below its
+        `quiet_below` has next_due `quiet_below` (`RequestSchedule.next_due`),
+        and `quiet_below` is set only where its compression is looked at (the
+        step's due list, `_plan_compressions`) and reset to 0 by a compression
+        or reported budgets (the next step's due list then holds it). Anything
+        else is as last sent (tests/test_step_shortcuts.py)."""
+        states, requests, sent, check = self.kvc_states, self.requests, self._kvc_due_sent, self._kvc_due_check
         changes = {}
-        for rid, n in scheduled.items():
+        for rid in check.intersection(scheduled):
+            check.discard(rid)
             state = states.get(rid)
             if state is None or state.plan is None:
                 continue
-            due = state.next_due(requests[rid].num_computed_tokens - n)
-            if rid not in sent or sent[rid] != due:
+            due = state.next_due(requests[rid].num_computed_tokens - scheduled[rid])
+            if sent.get(rid, _UNSENT) != due:
                 changes[rid] = sent[rid] = due
         return changes
 
@@ -269,6 +304,7 @@ class KVCompressScheduler(Scheduler):
             state = self.kvc_states.get(budgets.request_id)
             if state is not None and budgets.request_id not in failed:
                 state.set_layer_budgets(budgets.layer_budgets)
+                self._kvc_may_be_due.add(budgets.request_id)  # `quiet_below` reset
         if failed and model_runner_output.sampled_token_ids:
             # A failed request's token of this step came from a cache its
             # compression left unusable: it is not emitted.
@@ -315,7 +351,20 @@ class KVCompressScheduler(Scheduler):
         # vLLM's last word on a request's chunk (running and waiting alike): a
         # chunk ends where the request's next compression is due.
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
-        if request.request_id in self._kvc_held_back:
+        rid = request.request_id
+        self._kvc_sized.add(rid)
+        state = self.kvc_states.get(rid)
+        if num_new_tokens <= 1 and state is not None and request.status == RequestStatus.RUNNING and (
+                state.plan is None or num_computed_tokens >= state.plan.prompt_len):
+            # A running request past its prompt (most requests, most steps):
+            # a step may always compute a token (`tokens_until_due`). Its
+            # compression may be due at the next step only if this token
+            # reaches `quiet_below`.
+            if num_computed_tokens + num_new_tokens >= state.quiet_below:
+                self._kvc_may_be_due.add(rid)
+            return num_new_tokens
+        self._kvc_may_be_due.add(rid)  # prefilling, waiting: looked at in the next step
+        if rid in self._kvc_held_back:
             # Waiting until the next step. vLLM 0.32 then admits no other
             # waiting request this step; 0.33+ requeues it and goes on with
             # the others (answers are exact either way: it replays as preempted).
@@ -396,6 +445,7 @@ class KVCompressScheduler(Scheduler):
         self._kvc_started.pop(request.request_id, None)
         self._kvc_planned.discard(request.request_id)
         self._kvc_due_sent.pop(request.request_id, None)
+        self._kvc_due_check.discard(request.request_id)
         preempted = not request.is_finished()
         r = self.kvc_stats.finish(request.request_id, preempted=preempted, blocks_held=held)
         if r is not None and r.compressions and not preempted:
@@ -418,6 +468,7 @@ class KVCompressScheduler(Scheduler):
 
 
 _UNPLANNED = RequestSchedule.create(None)  # a request not planned yet: uncompressed
+_UNSENT = object()  # no next_due sent to the workers yet
 
 
 def _kind(spec) -> str:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ...host_reads import upload
+from ...host_reads import host_list, upload
 from ...token_state import RequestTokens
 from .speculation import DraftSlots
 
@@ -199,11 +199,13 @@ def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens
 
     step = StepPasses(worker)
     states, speculative = worker.states, worker.speculative
+    # Python ints once (an array element read per request costs more).
+    computed, counts = host_list(num_computed[:len(req_ids)]), host_list(num_scheduled_tokens)
     for i, rid in enumerate(req_ids):
         state = states.get(rid)
         if state is None:
             continue
-        first, n = int(num_computed[i]), int(num_scheduled_tokens[i])
+        first, n = computed[i], counts[i]
         try:  # as `worker.isolated`, without a context manager per request and step
             state.append_range(first, n)
             if rid not in speculative and state.quiet(first, n):
