@@ -18,6 +18,8 @@ every step checks, for every scheduled request with a plan:
 
 from __future__ import annotations
 
+import pytest
+
 from helpers import engine_kwargs, in_process_engine, random_prompts
 
 SETTINGS = [
@@ -34,6 +36,7 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.mrv2
 def test_next_due_and_due_requests_match_the_rules_afresh(tiny_model):
     prompts = random_prompts([120 + 17 * i for i in range(2 * len(SETTINGS))], seed=3)
     overrides = [SETTINGS[i % len(SETTINGS)] for i in range(len(prompts))]
