@@ -21,6 +21,7 @@ import logging
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ...cache_layout import AUTO, LAYOUTS, CacheDType, KVViews
@@ -147,6 +148,7 @@ class WorkerCompression:
         self.ops = get_ops(self.device.type)
         self.states: dict[str, RequestTokens] = {}
         self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group, of the requests that evicted
+        self._evicted_rows: tuple[list[str], np.ndarray] | None = None  # `evicted_rows`, kept
         # Per-layer budgets decided from this step's attention, for the scheduler.
         self.reported: list[ReportedBudgets] = []
         self.snapshot = SnapshotWriter("worker")
@@ -229,7 +231,22 @@ class WorkerCompression:
                 compact_requests(self, plan.compactions)
             self.snapshot.write(self.timer.seconds)
         self.evicted.update(plan.evicted)
+        if so.finished_req_ids or preempted or plan.started or plan.evicted:
+            self._evicted_rows = None
         self.runner.after_compaction(so)
+
+    def evicted_rows(self, req_ids: list[str]) -> np.ndarray:
+        """[R, groups] tokens evicted so far of the step's requests, in batch
+        order; kept while neither the order nor a count changed (most decode
+        steps), as building it reads every request."""
+        kept = self._evicted_rows
+        if kept is not None and kept[0] == req_ids:
+            return kept[1]
+        none = (0,) * self.num_groups
+        rows = np.array([self.evicted.get(rid, none) for rid in req_ids], dtype=np.int64).reshape(len(req_ids), -1)
+        rows.flags.writeable = False  # shared by the steps that keep it
+        self._evicted_rows = (req_ids, rows)
+        return rows
 
     def clear_step(self) -> None:
         """No attention passes or metadata edits until the next step's inputs

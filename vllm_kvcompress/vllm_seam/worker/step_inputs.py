@@ -152,8 +152,7 @@ def prepare_inputs(worker: WorkerCompression, batch: StepBatch) -> None:
     num_reqs = len(req_ids)
     total = int(num_scheduled_tokens.sum())
     starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens)[:-1]])
-    none = (0,) * worker.num_groups
-    evicted = np.array([worker.evicted.get(rid, none) for rid in req_ids], dtype=np.int64).reshape(num_reqs, -1)
+    evicted = worker.evicted_rows(req_ids)
     # Per vLLM KV cache group (a sliding-window group evicts nothing of ours).
     offsets: np.ndarray = np.zeros((num_reqs, worker.num_vllm_groups), dtype=np.int64)
     offsets[:, list(worker.vllm_groups)] = evicted
