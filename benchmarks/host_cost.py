@@ -183,9 +183,10 @@ def run_all(args) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     vanilla = {r["running"]: r for r in results if r["config"] == "vanilla"}
-    rows = ["| running | config | schedule() median / p99 / max (ms) | vs vanilla median / p99 | update (ms) | "
+    rows = ["| running | config | schedule() median / p99 / max (ms) | vs vanilla median / p99 | "
+            "schedule() median, all running (ms, vs vanilla) | update (ms) | "
             "worker host (ms) | added host per step (ms, median) | vs vanilla step | added max (ms) | "
-            "heap trims (n, slowest ms) | kernels (ms) | step median (ms) | wall (s) |", "|" + "---|" * 13]
+            "heap trims (n, slowest ms) | kernels (ms) | step median (ms) | wall (s) |", "|" + "---|" * 14]
     for r in results:
         v = vanilla.get(r["running"])
         s = r["schedule"]
@@ -193,8 +194,10 @@ def table(results: list[dict]) -> str:
                  if v and r is not v else "")
         added = (r["added"]["median_ms"] - v["added"]["median_ms"]) if v else float("nan")
         share = f"{100 * added / v['step']['median_ms']:+.1f}%" if v and r is not v else ""
+        full, vfull = s.get("median_full_ms"), v["schedule"].get("median_full_ms") if v else None
+        steady = "" if full is None else f"{full:.2f}" + (f" ({full / vfull:.2f}x)" if vfull and r is not v else "")
         rows.append(f"| {r['running']} | {r['config']} | {s['median_ms']:.2f} / {s['p99_ms']:.2f} / {s['max_ms']:.1f} "
-                    f"| {ratio} | {r['update']['median_ms']:.2f} | {r['host']['median_ms']:.2f} | "
+                    f"| {ratio} | {steady} | {r['update']['median_ms']:.2f} | {r['host']['median_ms']:.2f} | "
                     f"{added:+.2f} | {share} | {r['added']['max_ms']:.1f} | "
                     f"{r.get('heap_trims', 0)}, {r.get('heap_trim_max_ms', 0.0):.1f} | "
                     f"{r['kernels']['median_ms']:.2f} | {r['step']['median_ms']:.1f} | {r['wall_s']:.1f} |")
