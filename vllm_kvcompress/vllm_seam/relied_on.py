@@ -65,7 +65,7 @@ class | {_SCHED} | 0.32-0.34 | scheduler.KVCompressScheduler subclasses it
 method | {_SCHED}.schedule | 0.32-0.34 | overridden: plan compressions, then vLLM's schedule
 method | {_SCHED}.update_from_output | 0.32-0.34 | overridden: take the workers' layer budgets and failures
 method | {_SCHED}._get_local_prefix_cache_hit | 0.32-0.34 | overridden: cap a prefix-cache hit
-method | {_SCHED}._reserve_prefill_lookahead | 0.32-0.34 | overridden: end a chunk where an eviction is due; note the requests whose compression may come due (those scheduled without it are looked at too)
+method | {_SCHED}._reserve_prefill_lookahead | 0.32-0.34 | overridden: end a chunk at a compression; note who may be due
 method | {_SCHED}._free_request_blocks | 0.32-0.34 | overridden: finish, abort and preemption drop the state
 method | {_SCHED}.finish_requests | 0.32-0.34 | called: failed requests finish with FINISHED_ERROR
 attribute | {_SCHED}.vllm_config | 0.32-0.34 | read in __init__ (additional_config)

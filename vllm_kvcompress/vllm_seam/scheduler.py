@@ -30,7 +30,7 @@ from ..accounting import CompressionStats
 from ..admission import GrowthForecast, Outlook
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..plan import resolve_plan
-from ..schedule import RequestSchedule
+from ..schedule import RequestSchedule, cdiv
 from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, log_failure, report_of
 from .block_manager import CompressedAttentionManager
 from .groups import CompressedLayers
@@ -81,6 +81,12 @@ class KVCompressScheduler(Scheduler):
         self._kvc_step = 0
         self._kvc_forecast_follows = -1
         self._kvc_forecast_last = None
+        # The most blocks each request with a state could ever hold in the
+        # compressed groups (every token of its max_tokens, in every group),
+        # and their sum: where that fits the free blocks, admission admits
+        # without following the running requests (`_admits`).
+        self._kvc_most: dict[str, int] = {}
+        self._kvc_most_total = 0
         # Requests with a plan that verified drafts in the last step: the
         # workers learn their accepted length in the next step's plan.
         self._kvc_speculated: set[str] = set()
@@ -154,6 +160,10 @@ class KVCompressScheduler(Scheduler):
                     plan = None
             state = RequestSchedule.create(plan, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
+            most = len(self._kvc_managers) * cdiv(min(request.num_prompt_tokens + request.max_tokens,
+                                                      self.max_model_len), self.kvc_block_size)
+            self._kvc_most_total += most - self._kvc_most.get(rid, 0)
+            self._kvc_most[rid] = most
             if plan is not None:
                 self._kvc_planned.add(rid)
                 self._kvc_due_check.add(rid)
@@ -395,6 +405,15 @@ class KVCompressScheduler(Scheduler):
             return True
         if self._request_state(request).plan is None:
             return True
+        manager = self.kv_cache_manager
+        free = manager.block_pool.get_num_free_blocks() - manager.watermark_blocks
+        if self._kvc_most_total <= free:
+            # Every request with a state (the running ones, this one, others
+            # waiting) at its most fits the free blocks alone: the forecast
+            # below would admit it (each running request holds at most its
+            # blocks now plus its most at any step ahead), so it is not
+            # followed (most steps while memory is not short).
+            return True
         forecast, running = self._kvc_forecast, self.running
         if forecast.step == self._kvc_step and self._kvc_forecast_follows >= 0 \
                 and len(running) >= self._kvc_forecast_follows and running[self._kvc_forecast_follows - 1] is \
@@ -406,9 +425,7 @@ class KVCompressScheduler(Scheduler):
         else:
             forecast.sync(self._kvc_step, ((r.request_id, self._outlook(r)) for r in running))
         self._kvc_forecast_follows, self._kvc_forecast_last = len(running), running[-1]
-        manager = self.kv_cache_manager
-        return forecast.admits(self._outlook(request), manager.block_pool.get_num_free_blocks()
-                               - manager.watermark_blocks)
+        return forecast.admits(self._outlook(request), free)
 
     def _outlook(self, request) -> Outlook:
         final = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
@@ -442,6 +459,7 @@ class KVCompressScheduler(Scheduler):
         self._kvc_forecast.retire(request.request_id)
         self._kvc_forecast_follows, self._kvc_forecast_last = -1, None
         self.kvc_states.pop(request.request_id, None)
+        self._kvc_most_total -= self._kvc_most.pop(request.request_id, 0)
         self._kvc_started.pop(request.request_id, None)
         self._kvc_planned.discard(request.request_id)
         self._kvc_due_sent.pop(request.request_id, None)
