@@ -83,3 +83,39 @@ def test_next_due_and_due_requests_match_the_rules_afresh(tiny_model):
     assert all(len(o) == 48 for o in outputs)
     assert sched.kvc_stats.preemptions > 0  # resumed requests' states were checked too
     assert checked["next_due"] > 500 and checked["skipped"] > 500, checked
+
+
+@pytest.mark.mrv2
+def test_admission_with_its_shortcuts_admits_what_a_fresh_forecast_admits(tiny_model):
+    """`_admits` takes shortcuts (every request at its most fits the free
+    blocks; the kept forecast; a waiting request whose most fits beside the
+    running peak): at every call, a forecast built afresh from the running
+    requests as they stand must give the same answer. A pool that fills as
+    requests start, so both the shortcuts and the full rule decide."""
+    from vllm_kvcompress.admission import GrowthForecast
+
+    prompts = random_prompts([100 + 19 * i for i in range(16)], seed=5)
+    overrides = [SETTINGS[i % len(SETTINGS)] for i in range(len(prompts))]
+    with in_process_engine(**engine_kwargs(tiny_model, num_gpu_blocks_override=64, max_num_seqs=16,
+                                           max_model_len=512, max_num_batched_tokens=512,
+                                           kv_compress_layer_groups=2,
+                                           kv_compress={"policy": "snapkv", "budget": 64})) as engine:
+        sched = engine.llm.llm_engine.engine_core.engine_core.scheduler
+        admits = sched._admits
+        decided = {True: 0, False: 0}
+
+        def checked_admits(request):
+            answer = admits(request)
+            if sched.running and sched.kvc_states[request.request_id].plan is not None:
+                fresh = GrowthForecast(sched.kvc_block_size, len(sched._kvc_managers), sched.max_num_scheduled_tokens)
+                fresh.sync(sched._kvc_step, ((r.request_id, sched._outlook(r)) for r in sched.running))
+                manager = sched.kv_cache_manager
+                free = manager.block_pool.get_num_free_blocks() - manager.watermark_blocks
+                assert answer == fresh.admits(sched._outlook(request), free), request.request_id
+                decided[answer] += 1
+            return answer
+
+        sched._admits = checked_admits
+        outputs = engine.generate(prompts, max_tokens=64, overrides=overrides)
+    assert all(len(o) == 64 for o in outputs)
+    assert decided[True] > 0 and decided[False] > 0, decided  # both answers were checked
