@@ -224,10 +224,10 @@ class GrowthForecast:
         running ones: `free_blocks` free (less the watermark) and the blocks
         they hold."""
         capacity = free_blocks + self._held
-        # The most it could hold at any step (every token in every group) fits
-        # beside the running requests' most: admitted without its timeline
-        # (most checks where memory is not short).
-        most = self.num_groups * cdiv(outlook.final, self.block_size)
+        # The most it could hold at any step fits beside the running
+        # requests' most: admitted without its timeline (most checks where
+        # memory is not short).
+        most = self.most_blocks(outlook.final)
         if self._now + most <= capacity and self._peak_ahead() + most <= capacity:
             return True
         timeline = self.timeline(outlook, running=False)
@@ -242,6 +242,11 @@ class GrowthForecast:
                 return False
         rest = self._demand[max(last + 1, first) - self._base: self._end - self._base]
         return rest.size == 0 or int(rest.max()) <= capacity
+
+    def most_blocks(self, final: int) -> int:
+        """The most blocks a request ending at `final` tokens can ever hold:
+        every token in every group (no timeline holds more)."""
+        return self.num_groups * cdiv(final, self.block_size)
 
     def _peak_ahead(self) -> int:
         """The most the running requests hold at any step after this one."""

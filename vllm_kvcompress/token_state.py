@@ -161,14 +161,8 @@ class RequestTokens:
 
     def quiet(self, first: int, n: int) -> bool:
         """Whether the step's queries [first, first + n) need no attention
-        pass: none observed, no head with dead slots, no merged layer. Called
-        per request and step: `observes_any` inline."""
-        if self.merged or self._num_dead:
-            return False
-        if not self.needs_attention:
-            return True
-        span = self._observed_span()
-        return span is not None and max(first, span[0]) >= min(first + n, span[1])
+        pass: none observed, no head with dead slots, no merged layer."""
+        return not self.merged and not self._num_dead and not self.observes_any(first, n)
 
     @property
     def masks_heads(self) -> bool:

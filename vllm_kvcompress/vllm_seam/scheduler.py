@@ -30,7 +30,7 @@ from ..accounting import CompressionStats
 from ..admission import GrowthForecast, Outlook
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..plan import resolve_plan
-from ..schedule import RequestSchedule, cdiv
+from ..schedule import RequestSchedule
 from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, log_failure, report_of
 from .block_manager import CompressedAttentionManager
 from .groups import CompressedLayers
@@ -160,8 +160,7 @@ class KVCompressScheduler(Scheduler):
                     plan = None
             state = RequestSchedule.create(plan, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
-            most = len(self._kvc_managers) * cdiv(min(request.num_prompt_tokens + request.max_tokens,
-                                                      self.max_model_len), self.kvc_block_size)
+            most = self._kvc_forecast.most_blocks(self._final_len(request))
             self._kvc_most_total += most - self._kvc_most.get(rid, 0)
             self._kvc_most[rid] = most
             if plan is not None:
@@ -427,8 +426,12 @@ class KVCompressScheduler(Scheduler):
         self._kvc_forecast_follows, self._kvc_forecast_last = len(running), running[-1]
         return forecast.admits(self._outlook(request), free)
 
+    def _final_len(self, request) -> int:
+        """The length a request ends at: its max_tokens, or max_model_len."""
+        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+
     def _outlook(self, request) -> Outlook:
-        final = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        final = self._final_len(request)
         if self.kvc_config.reserve_growth is not None:
             final = min(final, request.num_tokens + self.kvc_config.reserve_growth)
         rid = request.request_id
