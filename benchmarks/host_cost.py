@@ -23,9 +23,14 @@ minus vanilla's, beside vanilla's step time.
 
 Each configuration runs in its own subprocess with the engine core in that
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the scheduler and the worker are
-timed directly.
+timed directly. The configs' engines step in turn (one step each, then again),
+so that all of them meet the machine at the same moments: this VM's speed
+drifts by up to 2x within minutes, more than the differences measured. Each
+batch size runs `--rounds` times, the configs' order rotated; a plugin's
+ratios are to the vanilla engine of its own round, reported as the median over
+rounds with their range. "wall" is the sum of the engine's own steps.
 
-    python benchmarks/host_cost.py                         # 64 256 512 1024, ~8 min on 2 cores
+    python benchmarks/host_cost.py                         # 64 256 512 1024, 3 rounds, ~25 min on 2 cores
     python benchmarks/host_cost.py --running 256 --configs vanilla snapkv-span
     python benchmarks/host_cost.py --plot                  # redraw the plot from the JSON
     python benchmarks/host_cost.py --trim-seconds 1 --out benchmarks/results/host_cost_trims  # heap trims under load
@@ -41,6 +46,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,6 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--running", type=int, nargs="+", default=[64, 256, 512, 1024])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per batch size: each runs every config once, one after the other, in an order "
+                        "that rotates between rounds (the VM's speed drifts: each round's plugin runs are "
+                        "compared with that round's vanilla run)")
     p.add_argument("--trim-seconds", type=float, default=None,
                    help="VLLM_KVCOMPRESS_TRIM_SECONDS for the plugin's workers (default: the plugin's, 30 s, "
                         "longer than a run: 1 trims under load)")
@@ -130,15 +140,20 @@ def run_one(args) -> dict:
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
     steps = []
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
+    print("ready", flush=True)
+    while True:
+        sys.stdin.readline()  # the parent's turn: one engine steps at a time (`run_round`)
         current.clear()
         begin = time.perf_counter()
         engine.step()
         current["step"] = time.perf_counter() - begin
         if "schedule" in current:
             steps.append({**{k: 0.0 for k in times}, **current, "running": len(core.scheduler.running)})
-    wall = time.perf_counter() - start
+        if not engine.has_unfinished_requests():
+            break  # the results line follows instead
+        print("stepped", flush=True)
+    # The engine's own steps: in lockstep, the time between them is the other configs'.
+    wall = sum(s["step"] for s in steps)
     worker = getattr(runner, state.WORKER_KEY, None)  # the plugin's worker state (vanilla: none)
     heap = worker.heap if worker is not None else None
     for s in steps:
@@ -156,51 +171,112 @@ def run_one(args) -> dict:
         out[key] = {"median_ms": statistics.median(values), "p99_ms": _percentile(values, 0.99),
                     "max_ms": max(values), "total_s": sum(values) / 1e3,
                     "median_full_ms": statistics.median([1e3 * s[key] for s in full]) if full else None}
+    # Every step's schedule() time, for percentiles over all rounds' steps.
+    out["schedule_steps_ms"] = [round(1e3 * s["schedule"], 4) for s in steps]
     return out
+
+
+def run_round(args, running: int, names: list[str], rnd: int) -> list[dict]:
+    """Every config's engine at `running`, each in its own process, stepped in
+    turn (one step of each, in `names` order, then again): the VM's speed
+    drifts by up to 2x within minutes, and stepping in lockstep gives every
+    config the same machine at the same moment."""
+    env = dict(os.environ)
+    if args.trim_seconds is not None:
+        env["VLLM_KVCOMPRESS_TRIM_SECONDS"] = str(args.trim_seconds)
+    procs, logs = {}, {}
+    for name in names:  # started one after the other: each builds its model and engine alone
+        cmd = [sys.executable, __file__, "--one", f"{name}:{running}", "--new-tokens", str(args.new_tokens)]
+        log = tempfile.TemporaryFile("w+")  # vLLM's log, shown if it fails
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        logs[name] = log
+        procs[name] = proc
+        _expect(proc, ("ready",), name, running, logs)
+    results = {}
+    while procs:
+        for name in list(procs):
+            proc = procs[name]
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            line = _expect(proc, ("stepped", "{"), name, running, logs)
+            if line.startswith("{"):  # finished: its results
+                results[name] = {**json.loads(line), "round": rnd}
+                proc.wait()
+                del procs[name]
+    return [results[name] for name in names]
+
+
+def _expect(proc: subprocess.Popen, starts: tuple[str, ...], name: str, running: int, logs: dict) -> str:
+    """The config's next line that begins with one of `starts` (vLLM's own lines skipped)."""
+    for line in proc.stdout:
+        if line.startswith(starts):
+            return line
+    logs[name].seek(0)
+    sys.stderr.write(logs[name].read()[-3000:])
+    raise SystemExit(f"{name} at {running} failed")
 
 
 def run_all(args) -> list[dict]:
     results = []
     for running in args.running:
-        for name in args.configs:
-            cmd = [sys.executable, __file__, "--one", f"{name}:{running}", "--new-tokens", str(args.new_tokens)]
-            env = dict(os.environ)
-            if args.trim_seconds is not None:
-                env["VLLM_KVCOMPRESS_TRIM_SECONDS"] = str(args.trim_seconds)
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            if proc.returncode or not lines:
-                sys.stderr.write(proc.stderr[-3000:])
-                raise SystemExit(f"{name} at {running} failed")
-            results.append(json.loads(lines[-1]))
-            r = results[-1]
-            print(f"{name:22s} {running:5d}  schedule {r['schedule']['median_ms']:7.2f} ms (p99 "
-                  f"{r['schedule']['p99_ms']:7.2f}), host {r['host']['median_ms']:7.2f} ms, added "
-                  f"{r['added']['median_ms']:7.2f} ms, step {r['step']['median_ms']:8.2f} ms, wall {r['wall_s']:.1f} s",
-                  flush=True)
+        for rnd in range(args.rounds):
+            shift = rnd % len(args.configs)
+            for r in run_round(args, running, args.configs[shift:] + args.configs[:shift], rnd):
+                results.append(r)
+                print(f"round {rnd} {r['config']:22s} {running:5d}  schedule {r['schedule']['median_ms']:7.2f} ms "
+                      f"(p99 {r['schedule']['p99_ms']:7.2f}), host {r['host']['median_ms']:7.2f} ms, added "
+                      f"{r['added']['median_ms']:7.2f} ms, step {r['step']['median_ms']:8.2f} ms, "
+                      f"wall {r['wall_s']:.1f} s", flush=True)
     return results
 
 
+def _spread(values: list[float], fmt: str) -> str:
+    """The median of the rounds' values, and their range where there are several."""
+    mid = format(statistics.median(values), fmt)
+    return mid if len(values) == 1 else f"{mid} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
 def table(results: list[dict]) -> str:
-    vanilla = {r["running"]: r for r in results if r["config"] == "vanilla"}
-    rows = ["| running | config | schedule() median / p99 / max (ms) | vs vanilla median / p99 | "
-            "schedule() median, all running (ms, vs vanilla) | update (ms) | "
-            "worker host (ms) | added host per step (ms, median) | vs vanilla step | added max (ms) | "
-            "heap trims (n, slowest ms) | kernels (ms) | step median (ms) | wall (s) |", "|" + "---|" * 14]
+    """One row per batch size and config over its rounds. Ratios are taken
+    within a round (a plugin run against the vanilla run beside it) and shown
+    as the median over rounds with their range; p99 is over every step of
+    every round."""
+    groups: dict[tuple[int, str], list[dict]] = {}
     for r in results:
-        v = vanilla.get(r["running"])
-        s = r["schedule"]
-        ratio = (f"{s['median_ms'] / v['schedule']['median_ms']:.2f}x / {s['p99_ms'] / v['schedule']['p99_ms']:.2f}x"
-                 if v and r is not v else "")
-        added = (r["added"]["median_ms"] - v["added"]["median_ms"]) if v else float("nan")
-        share = f"{100 * added / v['step']['median_ms']:+.1f}%" if v and r is not v else ""
-        full, vfull = s.get("median_full_ms"), v["schedule"].get("median_full_ms") if v else None
-        steady = "" if full is None else f"{full:.2f}" + (f" ({full / vfull:.2f}x)" if vfull and r is not v else "")
-        rows.append(f"| {r['running']} | {r['config']} | {s['median_ms']:.2f} / {s['p99_ms']:.2f} / {s['max_ms']:.1f} "
-                    f"| {ratio} | {steady} | {r['update']['median_ms']:.2f} | {r['host']['median_ms']:.2f} | "
-                    f"{added:+.2f} | {share} | {r['added']['max_ms']:.1f} | "
-                    f"{r.get('heap_trims', 0)}, {r.get('heap_trim_max_ms', 0.0):.1f} | "
-                    f"{r['kernels']['median_ms']:.2f} | {r['step']['median_ms']:.1f} | {r['wall_s']:.1f} |")
+        groups.setdefault((r["running"], r["config"]), []).append(r)
+    rows = ["| running | config | rounds | schedule() median (ms) | vs vanilla, median | "
+            "schedule() p99 / max (ms, all rounds' steps) | vs vanilla, p99 | "
+            "schedule() median, all running (vs vanilla) | update (ms) | worker host (ms) | "
+            "added host per step (ms, median) | vs vanilla step | added max (ms) | heap trims (n, slowest ms) | "
+            "kernels (ms) | step median (ms) | wall (s) |", "|" + "---|" * 17]
+    for (running, name), runs in groups.items():
+        vanilla = {r.get("round", 0): r for r in groups.get((running, "vanilla"), [])}
+        pairs = [(r, vanilla[r.get("round", 0)]) for r in runs if r.get("round", 0) in vanilla]
+        plugin = name != "vanilla" and bool(pairs)
+
+        ratios = {key: [r[key]["median_ms"] / v[key]["median_ms"] for r, v in pairs] for key in ("schedule",)}
+        steps = [t for r in runs for t in r.get("schedule_steps_ms", [])]
+        vsteps = [t for _, v in pairs for t in v.get("schedule_steps_ms", [])]
+        if steps and vsteps:
+            p99, vp99 = _percentile(steps, 0.99), _percentile(vsteps, 0.99)
+        else:  # results written before every step was kept: the rounds' own p99s
+            p99 = statistics.median(r["schedule"]["p99_ms"] for r in runs)
+            vp99 = statistics.median(v["schedule"]["p99_ms"] for _, v in pairs) if pairs else float("nan")
+        added = [r["added"]["median_ms"] - v["added"]["median_ms"] for r, v in pairs]
+        share = [100 * (r["added"]["median_ms"] - v["added"]["median_ms"]) / v["step"]["median_ms"] for r, v in pairs]
+        steady = [r["schedule"]["median_full_ms"] / v["schedule"]["median_full_ms"] for r, v in pairs
+                  if r["schedule"].get("median_full_ms") and v["schedule"].get("median_full_ms")]
+        mid = {key: _spread([r[key]["median_ms"] for r in runs], ".2f")
+               for key in ("schedule", "update", "host", "kernels", "step")}
+        rows.append(
+            f"| {running} | {name} | {len(runs)} | {mid['schedule']} | "
+            f"{_spread(ratios['schedule'], '.2f') + 'x' if plugin else ''} | "
+            f"{p99:.2f} / {max(r['schedule']['max_ms'] for r in runs):.1f} | "
+            f"{f'{p99 / vp99:.2f}x' if plugin else ''} | {_spread(steady, '.2f') + 'x' if plugin and steady else ''} | "
+            f"{mid['update']} | {mid['host']} | {_spread(added, '+.2f') if plugin else ''} | "
+            f"{_spread(share, '+.1f') + '%' if plugin else ''} | {max(r['added']['max_ms'] for r in runs):.1f} | "
+            f"{sum(r.get('heap_trims', 0) for r in runs)}, {max(r.get('heap_trim_max_ms', 0.0) for r in runs):.1f} | "
+            f"{mid['kernels']} | {mid['step']} | {_spread([r['wall_s'] for r in runs], '.1f')} |")
     return "\n".join(rows)
 
 
@@ -212,10 +288,18 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(r["config"] for r in results):
-        rs = sorted((r for r in results if r["config"] == name), key=lambda r: r["running"])
-        ax.plot([r["running"] for r in rs], [r["added"]["median_ms"] for r in rs], marker="o", label=name)
+        per_size: dict[int, list[float]] = {}
+        for r in results:
+            if r["config"] == name:
+                per_size.setdefault(r["running"], []).append(r["added"]["median_ms"])
+        sizes = sorted(per_size)
+        mids = [statistics.median(per_size[n]) for n in sizes]
+        # The line through the rounds' medians, the bars their range.
+        ax.errorbar(sizes, mids, yerr=[[m - min(per_size[n]) for n, m in zip(sizes, mids)],
+                                       [max(per_size[n]) - m for n, m in zip(sizes, mids)]],
+                    marker="o", capsize=3, label=name)
     ax.set_xlabel("running requests")
-    ax.set_ylabel("host ms per step (schedule + update + worker, median)")
+    ax.set_ylabel("host ms per step (schedule + update + worker, median; bars: rounds' range)")
     ax.set_title("Host work per engine step")
     ax.legend()
     ax.grid(alpha=0.3)

@@ -146,7 +146,8 @@ class RequestTokens:
         request with nothing to observe costs no tensor work."""
         if not self.needs_attention:
             return False
-        span = self._observed_span()
+        cached = self._span_of  # read here: this runs per request per step
+        span = cached[1] if cached is not None and cached[0] == self.next_due else self._observed_span()
         return span is None or max(first, span[0]) < min(first + n, span[1])
 
     def _observed_span(self) -> tuple[int, int] | None:
@@ -163,6 +164,16 @@ class RequestTokens:
         """Whether the step's queries [first, first + n) need no attention
         pass: none observed, no head with dead slots, no merged layer."""
         return not self.merged and not self._num_dead and not self.observes_any(first, n)
+
+    def advance(self, first: int, n: int) -> bool:
+        """The worker's call per request and step: `append_range` of its
+        queries [first, first + n), and whether they are `quiet`."""
+        if self._tail_len and first == self._tail_start + self._tail_len:  # decoding on: append_range's usual case
+            self._tail_len += n
+            self.logical_len = first + n
+        else:
+            self.append_range(first, n)
+        return self.quiet(first, n)
 
     @property
     def masks_heads(self) -> bool:

@@ -63,6 +63,13 @@ class ReleasedBlocks:
     copy: BlockCopy | None  # the fresh blocks that receive the kept tokens (None: compacted in place)
 
 
+# vLLM's own methods, called directly from the overrides below (the class's
+# only base): each runs per request per step, where super()'s lookup and
+# keyword passing are a measurable share.
+_vllm_blocks_to_allocate = FullAttentionManager.get_num_blocks_to_allocate
+_vllm_allocate_new_blocks = FullAttentionManager.allocate_new_blocks
+
+
 class CompressedAttentionManager(FullAttentionManager):
     """FullAttentionManager that allocates by physical length and frees evicted tails.
 
@@ -107,15 +114,15 @@ class CompressedAttentionManager(FullAttentionManager):
         cap = self.max_tokens.get(request_id) if apply_admission_cap else None
         if cap is not None:
             num_tokens, num_tokens_main_model = min(num_tokens, cap), min(num_tokens_main_model, cap)
-        return super().get_num_blocks_to_allocate(
-            request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_local_computed_tokens,
-            num_tokens_main_model, apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
+        return _vllm_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+                                        num_local_computed_tokens, num_tokens_main_model, apply_admission_cap,
+                                        prefill_end)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
         # Never capped: vLLM allocates only for the tokens it schedules, and a
         # streamed prompt's chunks end where its evictions are due.
         evicted = self.num_evicted.get(request_id, 0)
-        return super().allocate_new_blocks(request_id, num_tokens - evicted, num_tokens_main_model - evicted)
+        return _vllm_allocate_new_blocks(self, request_id, num_tokens - evicted, num_tokens_main_model - evicted)
 
     def copies_needed(self, request_id: str, physical_len: int, protected_len: int) -> int | None:
         """Fresh blocks a compaction to `physical_len` needs (0: it rewrites in place).

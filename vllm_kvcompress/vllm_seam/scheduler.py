@@ -18,6 +18,7 @@ whole for the next request or turn.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -37,6 +38,7 @@ from .groups import CompressedLayers
 from .metrics import RatioHistogram, SnapshotWriter
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
+_RUNNING = RequestStatus.RUNNING  # read per request per step
 
 
 
@@ -58,6 +60,13 @@ class KVCompressScheduler(Scheduler):
         self.kvc_group_of_layer = list(self.kvc_layers.group_of_layer)
         self.kvc_block_size = groups[self.kvc_layers.vllm_groups[0]].kv_cache_spec.block_size
         self.kvc_states: dict[str, RequestSchedule] = {}
+        # A plan is a function of the settings and the prompt's length alone
+        # (`resolve_plan`), and frozen: the engine's own settings' plans are
+        # made once per prompt length (a server admitting hundreds of requests
+        # a step would otherwise build the same plan for each).
+        self._kvc_plan_of = functools.lru_cache(maxsize=4096)(functools.partial(
+            resolve_plan, self.kvc_config, num_layers=len(self.kvc_group_of_layer),
+            block_size=self.kvc_block_size))
         self.kvc_stats = CompressionStats(
             total_blocks=self.kv_cache_manager.block_pool.num_gpu_blocks - 1,
             block_bytes=sum(t.size for t in self.kv_cache_config.kv_cache_tensors) // self.kv_cache_config.num_blocks,
@@ -146,8 +155,8 @@ class KVCompressScheduler(Scheduler):
             # recomputes prompt and outputs in chunks that end at its first
             # life's compression points (`tokens_until_due`): same tokens kept.
             try:
-                plan = resolve_plan(config, request.num_prompt_tokens, len(self.kvc_group_of_layer),
-                                    self.kvc_block_size)
+                plan = self._kvc_plan_of(request.num_prompt_tokens) if config is self.kvc_config else \
+                    resolve_plan(config, request.num_prompt_tokens, len(self.kvc_group_of_layer), self.kvc_block_size)
             except Exception as e:  # noqa: BLE001 - one request's plan, never the engine
                 # It runs uncompressed until this step's output, then finishes with an error.
                 log_failure(rid, "planning", e)
@@ -363,7 +372,7 @@ class KVCompressScheduler(Scheduler):
         rid = request.request_id
         self._kvc_sized.add(rid)
         state = self.kvc_states.get(rid)
-        if num_new_tokens <= 1 and state is not None and request.status == RequestStatus.RUNNING and (
+        if num_new_tokens <= 1 and state is not None and request.status is _RUNNING and (
                 state.plan is None or num_computed_tokens >= state.plan.prompt_len):
             # A running request past its prompt (most requests, most steps):
             # a step may always compute a token (`tokens_until_due`). Its

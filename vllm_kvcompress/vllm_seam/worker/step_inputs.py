@@ -206,8 +206,7 @@ def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens
             continue
         first, n = computed[i], counts[i]
         try:  # as `worker.isolated`, without a context manager per request and step
-            state.append_range(first, n)
-            if rid not in speculative and state.quiet(first, n):
+            if state.advance(first, n) and rid not in speculative:
                 continue
             start = int(starts[i])
             _add_request(worker, step, i, rid, state, slice(start, start + n), positions_host, physical_host)
