@@ -480,7 +480,7 @@ def test_a_scorer_is_one_module_of_the_scorers_package():
 
 @pytest.mark.parametrize("policy", sorted(n for n in POLICIES if n not in ("none", "minicache")))
 def test_a_quiet_step_observes_nothing(policy):
-    """A step the worker passes over with integer tests (`RequestTokens.quiet`:
+    """A step the worker passes over with integer tests (`RequestTokens.advance`:
     most decode steps) is one whose queries the scorer would not observe:
     wherever `observes_any` says none, `observed` marks none; for scorers with
     a fixed span, it says some exactly where `observed` marks some."""

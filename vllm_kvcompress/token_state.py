@@ -160,20 +160,17 @@ class RequestTokens:
                                       (max(span[0], self.plan.protected_len), span[1]))
         return cached[1]
 
-    def quiet(self, first: int, n: int) -> bool:
-        """Whether the step's queries [first, first + n) need no attention
-        pass: none observed, no head with dead slots, no merged layer."""
-        return not self.merged and not self._num_dead and not self.observes_any(first, n)
-
     def advance(self, first: int, n: int) -> bool:
         """The worker's call per request and step: `append_range` of its
-        queries [first, first + n), and whether they are `quiet`."""
+        queries [first, first + n), and whether they are quiet (need no
+        attention pass: none observed, no head with dead slots, no merged
+        layer)."""
         if self._tail_len and first == self._tail_start + self._tail_len:  # decoding on: append_range's usual case
             self._tail_len += n
             self.logical_len = first + n
         else:
             self.append_range(first, n)
-        return self.quiet(first, n)
+        return not self.merged and not self._num_dead and not self.observes_any(first, n)
 
     @property
     def masks_heads(self) -> bool:
