@@ -87,8 +87,8 @@ def test_next_due_and_due_requests_match_the_rules_afresh(tiny_model):
 
 @pytest.mark.mrv2
 def test_admission_with_its_shortcuts_admits_what_a_fresh_forecast_admits(tiny_model):
-    """`_admits` takes shortcuts (every request at its most fits the free
-    blocks; the kept forecast; a waiting request whose most fits beside the
+    """`_admits` takes shortcuts (every request at its most fits the pool,
+    or the free blocks on a hybrid; the kept forecast; a waiting request whose most fits beside the
     running peak): at every call, a forecast built afresh from the running
     requests as they stand must give the same answer. A pool that fills as
     requests start, so both the shortcuts and the full rule decide."""
@@ -112,6 +112,11 @@ def test_admission_with_its_shortcuts_admits_what_a_fresh_forecast_admits(tiny_m
                 manager = sched.kv_cache_manager
                 free = manager.block_pool.get_num_free_blocks() - manager.watermark_blocks
                 assert answer == fresh.admits(sched._outlook(request), free), request.request_id
+                # The whole-pool shortcut's premise: every block in use is
+                # held by a running request (the rule counts those it holds).
+                pool = manager.block_pool
+                assert pool.num_gpu_blocks - 1 - pool.get_num_free_blocks() <= \
+                    sum(sched._outlook(r).held for r in sched.running)
                 decided[answer] += 1
             return answer
 

@@ -58,6 +58,7 @@ class KVCompressScheduler(Scheduler):
                 f"this model has {len(self.kvc_layers.vllm_groups)}"
             )
         self.kvc_group_of_layer = list(self.kvc_layers.group_of_layer)
+        self._kvc_hybrid = self.kvc_layers.num_vllm_groups != len(self.kvc_layers.vllm_groups)  # some stay vLLM's
         self.kvc_block_size = groups[self.kvc_layers.vllm_groups[0]].kv_cache_spec.block_size
         self.kvc_states: dict[str, RequestSchedule] = {}
         # A plan is a function of the settings and the prompt's length alone
@@ -252,6 +253,11 @@ class KVCompressScheduler(Scheduler):
         done = [manager.release_evicted(rid, logical, target, protected, bool(copy), released)
                 for manager, target, copy in zip(self._kvc_managers, targets, copies)]
         state.commit(logical, targets)
+        # Where it next compresses, found now (sets its `quiet_below`): a
+        # rolling policy's request is then not looked at again in the next
+        # step (at 1,024 running, tens of compactions a step). Nothing is due
+        # at the length it was just compressed at.
+        state.next_compression(logical)
         self.kvc_stats.compressed(rid, old, targets, sum(r.freed for r in done), sum(r.held for r in done))
         copied = tuple(r.copy for r in done)
         return Compaction(rid, old, targets, copied if any(copied) else ())
@@ -414,13 +420,19 @@ class KVCompressScheduler(Scheduler):
         if self._request_state(request).plan is None:
             return True
         manager = self.kv_cache_manager
-        free = manager.block_pool.get_num_free_blocks() - manager.watermark_blocks
-        if self._kvc_most_total <= free:
-            # Every request with a state (the running ones, this one, others
-            # waiting) at its most fits the free blocks alone: the forecast
-            # below would admit it (each running request holds at most its
-            # blocks now plus its most at any step ahead), so it is not
-            # followed (most steps while memory is not short).
+        pool = manager.block_pool
+        free = pool.get_num_free_blocks() - manager.watermark_blocks
+        # Every request with a state (the running ones, this one, others
+        # waiting) at its most fits: the forecast below would admit it, so it
+        # is not followed (most steps while memory is not short). The rule's
+        # capacity is the free blocks plus those the running requests hold,
+        # and no running request ever holds more than its most. Where every
+        # KV cache group is compressed, each block in use is held by a running
+        # request (KV connectors are refused), so the whole pool is a lower
+        # bound of that capacity; a hybrid's sliding-window groups hold blocks
+        # of the same pool, so there only the free ones count.
+        capacity = free if self._kvc_hybrid else pool.num_gpu_blocks - 1 - manager.watermark_blocks
+        if self._kvc_most_total <= capacity:
             return True
         forecast, running = self._kvc_forecast, self.running
         if forecast.step == self._kvc_step and self._kvc_forecast_follows >= 0 \
