@@ -88,10 +88,11 @@ def test_next_due_and_due_requests_match_the_rules_afresh(tiny_model):
 @pytest.mark.mrv2
 def test_admission_with_its_shortcuts_admits_what_a_fresh_forecast_admits(tiny_model):
     """`_admits` takes shortcuts (every request at its most fits the pool,
-    or the free blocks on a hybrid; the kept forecast; a waiting request whose most fits beside the
-    running peak): at every call, a forecast built afresh from the running
-    requests as they stand must give the same answer. A pool that fills as
-    requests start, so both the shortcuts and the full rule decide."""
+    or the free blocks on a hybrid; the kept forecast; a waiting request
+    whose most fits beside the running peak): at every call, a forecast
+    built afresh from the running requests as they stand must give the same
+    answer. A pool that fills as requests start, so both the shortcuts and
+    the full rule decide."""
     from vllm_kvcompress.admission import GrowthForecast
 
     prompts = random_prompts([100 + 19 * i for i in range(16)], seed=5)
