@@ -185,24 +185,31 @@ def run_round(args, running: int, names: list[str], rnd: int) -> list[dict]:
     if args.trim_seconds is not None:
         env["VLLM_KVCOMPRESS_TRIM_SECONDS"] = str(args.trim_seconds)
     procs, logs = {}, {}
-    for name in names:  # started one after the other: each builds its model and engine alone
-        cmd = [sys.executable, __file__, "--one", f"{name}:{running}", "--new-tokens", str(args.new_tokens)]
-        log = tempfile.TemporaryFile("w+")  # vLLM's log, shown if it fails
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        logs[name] = log
-        procs[name] = proc
-        _expect(proc, ("ready",), name, running, logs)
     results = {}
-    while procs:
-        for name in list(procs):
-            proc = procs[name]
-            proc.stdin.write("\n")
-            proc.stdin.flush()
-            line = _expect(proc, ("stepped", "{"), name, running, logs)
-            if line.startswith("{"):  # finished: its results
-                results[name] = {**json.loads(line), "round": rnd}
-                proc.wait()
-                del procs[name]
+    try:
+        for name in names:  # started one after the other: each builds its model and engine alone
+            cmd = [sys.executable, __file__, "--one", f"{name}:{running}", "--new-tokens", str(args.new_tokens)]
+            log = tempfile.TemporaryFile("w+")  # vLLM's log, shown if it fails
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                    env=env)
+            logs[name] = log
+            procs[name] = proc
+            _expect(proc, ("ready",), name, running, logs)
+        while procs:
+            for name in list(procs):
+                proc = procs[name]
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+                line = _expect(proc, ("stepped", "{"), name, running, logs)
+                if line.startswith("{"):  # finished: its results
+                    results[name] = {**json.loads(line), "round": rnd}
+                    proc.wait()
+                    del procs[name]
+    finally:  # one failed: the others' engines go too
+        for proc in procs.values():
+            proc.kill()
+        for log in logs.values():
+            log.close()
     return [results[name] for name in names]
 
 
@@ -254,7 +261,7 @@ def table(results: list[dict]) -> str:
         pairs = [(r, vanilla[r.get("round", 0)]) for r in runs if r.get("round", 0) in vanilla]
         plugin = name != "vanilla" and bool(pairs)
 
-        ratios = {key: [r[key]["median_ms"] / v[key]["median_ms"] for r, v in pairs] for key in ("schedule",)}
+        ratios = [r["schedule"]["median_ms"] / v["schedule"]["median_ms"] for r, v in pairs]
         steps = [t for r in runs for t in r.get("schedule_steps_ms", [])]
         vsteps = [t for _, v in pairs for t in v.get("schedule_steps_ms", [])]
         if steps and vsteps:
@@ -263,14 +270,14 @@ def table(results: list[dict]) -> str:
             p99 = statistics.median(r["schedule"]["p99_ms"] for r in runs)
             vp99 = statistics.median(v["schedule"]["p99_ms"] for _, v in pairs) if pairs else float("nan")
         added = [r["added"]["median_ms"] - v["added"]["median_ms"] for r, v in pairs]
-        share = [100 * (r["added"]["median_ms"] - v["added"]["median_ms"]) / v["step"]["median_ms"] for r, v in pairs]
+        share = [100 * a / v["step"]["median_ms"] for a, (_, v) in zip(added, pairs)]
         steady = [r["schedule"]["median_full_ms"] / v["schedule"]["median_full_ms"] for r, v in pairs
                   if r["schedule"].get("median_full_ms") and v["schedule"].get("median_full_ms")]
         mid = {key: _spread([r[key]["median_ms"] for r in runs], ".2f")
                for key in ("schedule", "update", "host", "kernels", "step")}
         rows.append(
             f"| {running} | {name} | {len(runs)} | {mid['schedule']} | "
-            f"{_spread(ratios['schedule'], '.2f') + 'x' if plugin else ''} | "
+            f"{_spread(ratios, '.2f') + 'x' if plugin else ''} | "
             f"{p99:.2f} / {max(r['schedule']['max_ms'] for r in runs):.1f} | "
             f"{f'{p99 / vp99:.2f}x' if plugin else ''} | {_spread(steady, '.2f') + 'x' if plugin and steady else ''} | "
             f"{mid['update']} | {mid['host']} | {_spread(added, '+.2f') if plugin else ''} | "
