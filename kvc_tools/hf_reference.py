@@ -59,14 +59,17 @@ class HFAttentionReference(ReferenceDecoder):
             raise ValueError(f"HF reference: compressed layers with different KV head counts {sorted(kv_heads)}")
         self.num_kv_heads = kv_heads.pop()
         self.step: tuple[RequestTokens | None, torch.Tensor, torch.Tensor | None] | None = None
+        self.geometry = None  # expected attention's queries before RoPE: not taken here
 
     def _empty_cache(self):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
 
-    def _physical_keys(self, cache, layer: int, c: int, state: RequestTokens) -> torch.Tensor:
-        return gather_slots(cache.layers[layer].keys[0], state.positions(c))
+    def _physical_kv(self, cache, layer: int, c: int, state: RequestTokens) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = state.positions(c)
+        return gather_slots(cache.layers[layer].keys[0], positions), gather_slots(cache.layers[layer].values[0],
+                                                                                 positions)
 
     def _compact(self, cache, layer: int, keep: torch.Tensor) -> None:
         pass  # every key stays in transformers' cache; the layer reads only RequestTokens.positions

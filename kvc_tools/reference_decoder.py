@@ -30,6 +30,7 @@ from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.merge import restore
 from vllm_kvcompress.plan import resolve_plan
 from vllm_kvcompress.schedule import RequestSchedule, layer_groups
+from vllm_kvcompress.scorers.expected_attention import QueryGeometry
 from vllm_kvcompress.token_state import MergedUpper, RequestTokens
 
 
@@ -71,6 +72,10 @@ class ReferenceDecoder:
         # Model layer -> index among the compressed (full-attention) layers.
         self.compressed = {layer: i for i, layer in enumerate(
             layer for layer, t in enumerate(layer_types) if t == "full_attention")}
+        # Expected attention's view of the compressed layers' queries: HF's RoPE
+        # tables (the first half of each: NeoX's layout repeats it), HF's scale.
+        self.geometry: QueryGeometry | None = QueryGeometry(cos_sin=self._full_attention_cos_sin,
+                                      max_position=cfg.max_position_embeddings, scale=self.scale)
 
     # ------------------------------------------------------------ model
 
@@ -89,6 +94,13 @@ class ReferenceDecoder:
                 cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
             tables[layer_type] = (cos, sin)
         return tables
+
+    def _full_attention_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [n, R / 2] of the full-attention layers' RoPE at `positions`."""
+        x = torch.zeros(1, dtype=self.model.dtype)
+        cos, sin = self._rope_tables(x, positions)["full_attention"]
+        half = cos.shape[-1] // 2
+        return cos[:, :half], sin[:, :half]
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,6 +143,7 @@ class ReferenceDecoder:
             q, k = q.transpose(0, 1), k.transpose(0, 1)
             v = attn.v_proj(h).view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
             cos, sin = rope[self.layer_types[layer_idx]]
+            q_before_rope = q
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             # Attention reads every key and value back from the cache, this step's too.
             k, v = cache_dtype.round_trip(k), cache_dtype.round_trip(v)
@@ -166,15 +179,19 @@ class ReferenceDecoder:
                 else:
                     x = x + (layer.mlp(h.unsqueeze(0))[0] if hasattr(layer.mlp, "experts") else layer.mlp(h))
             if observed is not None and observed.any() and c is not None:
-                state.observe(c, logits[:, observed].float(), positions[observed], sinks)
+                if state.scorer.observe.scores_attention():
+                    state.observe(c, logits[:, observed].float(), positions[observed], sinks)
+                else:  # expected attention: the queries themselves, before RoPE
+                    state.observe_queries(c, q_before_rope[:, observed].transpose(0, 1).float())
         x = m.norm(x[-1:])
         logits = self.model.lm_head(x)[0].float()
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _physical_keys(self, cache, layer: int, c: int, state: RequestTokens) -> torch.Tensor:
-        """[Hkv, T, D] the layer's cached keys in physical order (what its scorer may read)."""
-        return cache[layer][0]
+    def _physical_kv(self, cache, layer: int, c: int,
+                     state: RequestTokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Hkv, T, D] the layer's cached keys and values in physical order (what its scorer may read)."""
+        return cache[layer]
 
     def _compact(self, cache, layer: int, keep: torch.Tensor) -> None:
         """Keep slots `keep` [Hkv, K] of the layer's dense cache, in order."""
@@ -237,7 +254,7 @@ class ReferenceDecoder:
         plan = RequestSchedule.create(resolved, group_of_layer)
         state = None
         if resolved is not None:
-            state = RequestTokens(resolved, num_compressed, self.num_kv_heads, self.num_q_heads)
+            state = RequestTokens(resolved, num_compressed, self.num_kv_heads, self.num_q_heads, geometry=self.geometry)
         lengths: list = []
         compressed_at: list[int] = []  # logical length at each compression
 
@@ -247,7 +264,7 @@ class ReferenceDecoder:
                 return
             assert state is not None
             for layer, c in self.compressed.items():
-                keep = state.select(c, targets[group_of_layer[c]], self._physical_keys(cache, layer, c, state))
+                keep = state.select(c, targets[group_of_layer[c]], *self._physical_kv(cache, layer, c, state))
                 self._compact(cache, layer, keep)
                 state.keep_selected(c, keep)
             if state.lower_of and not state.merged:

@@ -126,8 +126,9 @@ class Allocation(Component):
              f"allocation {self.name!r} (policy {config.policy!r}) gives layers different budgets, which frees "
              f"memory only with per-layer KV cache groups: start the engine with --kv-compress-layer-groups set to "
              f"the number of layers (one group each) or a divisor of it (tiers)"),
-            (self.from_attention and not parts.scorer.observe.attends(), "allocation",
-             f"{self.name!r} shares the budget by observed attention; scorer {parts.scorer.name!r} observes none; "
+            (self.from_attention and not parts.scorer.observe.scores_attention(), "allocation",
+             f"{self.name!r} shares the budget by observed attention; scorer {parts.scorer.name!r} observes no "
+             f"attention; "
              f"valid with it: ['pyramid', 'uniform']"),
             (self.from_attention and parts.trigger.protected_len(1) >= 1, "allocation",
              f"{self.name!r} shares the budget by the prompt's attention, which trigger {parts.trigger.name!r} never "

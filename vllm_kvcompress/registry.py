@@ -54,6 +54,9 @@ POLICIES: dict[str, Composition] = {
     "random": Composition("random", trigger="rolling"),
     "rkv": Composition("rkv", trigger="decode"),
     "knorm": Composition("knorm"),
+    # No question needed: scores from the statistics of the prompt's queries,
+    # turned to the positions to come (kvpress's ExpectedAttentionPress).
+    "expected_attention": Composition("expected_attention"),
     # Nothing evicted: the prompt's KV merged across depth at prefill end.
     "minicache": Composition("keep_all", merge="minicache"),
 }

@@ -21,6 +21,7 @@ from .kernels.torch_paged import softmax_with_sinks
 from .merge import MergedTensor
 from .plan import CompressionPlan
 from .scorers import Observation
+from .scorers.expected_attention import QueryGeometry, QueryMoments
 from .selection import rank_scores
 from .sharding import ONE_DEVICE, HeadShard
 
@@ -73,7 +74,8 @@ class RequestTokens:
     `num_q_heads` are the heads this worker holds (`shard`)."""
 
     def __init__(self, plan: CompressionPlan, num_layers: int, num_kv_heads: int, num_q_heads: int,
-                 shard: HeadShard = ONE_DEVICE, device: torch.device | str = "cpu") -> None:
+                 shard: HeadShard = ONE_DEVICE, device: torch.device | str = "cpu",
+                 geometry: QueryGeometry | None = None) -> None:
         self.plan = plan
         # Where the cache is: positions, scores, selections and per-head masks
         # live there, and nothing of them is read on the host (host_reads.py):
@@ -99,6 +101,10 @@ class RequestTokens:
         self._tail_start = 0
         self._tail_len = 0
         self.attention: list[torch.Tensor | None] = [None] * num_layers
+        # Observe.QUERIES (expected attention): per layer the observed queries'
+        # moments, and how the model turns them (`geometry`).
+        self.moments: list[QueryMoments | None] = [None] * num_layers
+        self.geometry = geometry
         # The last layer's selection, keyed (scores_key, compaction, slots):
         # layers with equal scores select once per compaction.
         self._last_key: tuple[int, int, int] | None = None
@@ -136,7 +142,7 @@ class RequestTokens:
             return torch.cat([self.observed(q_positions[i : i + 1]) for i in range(len(q_positions))])
         # Queries in the protected start attend only protected keys: nothing to
         # learn from them (and the engine never computes prefix-cache hits).
-        unprotected = q_positions >= self.plan.protected_len
+        unprotected = q_positions >= max(self.plan.protected_len, self.scorer.observed_from())
         return self.scorer.observe.queries(q_positions, self.plan.prompt_len, self.scorer.window_queries(),
                                            self.next_due) & unprotected
 
@@ -156,8 +162,8 @@ class RequestTokens:
         cached = self._span_of
         if cached is None or cached[0] != self.next_due:
             span = self.scorer.observe.span(self.plan.prompt_len, self.scorer.window_queries(), self.next_due)
-            cached = self._span_of = (self.next_due, None if span is None else
-                                      (max(span[0], self.plan.protected_len), span[1]))
+            first = max(self.plan.protected_len, self.scorer.observed_from())
+            cached = self._span_of = (self.next_due, None if span is None else (max(span[0], first), span[1]))
         return cached[1]
 
     def advance(self, first: int, n: int) -> bool:
@@ -259,6 +265,15 @@ class RequestTokens:
         probs = softmax_with_sinks(logits.to(torch.float32), sink)
         self.accumulate(layer, self.scorer.observe.reduce(probs))
 
+    def observe_queries(self, layer: int, queries: torch.Tensor) -> None:
+        """Add this step's observed [n, Hq, D] queries of a layer, before RoPE
+        (Observe.QUERIES), to its moments, on the device they are on."""
+        moments = self.moments[layer]
+        if moments is None:
+            moments = self.moments[layer] = QueryMoments.empty(
+                queries.shape[1], queries.shape[2], self.scorer.query_covariance(), queries.device)
+        moments.add(queries)
+
     def accumulate(self, layer: int, attention: torch.Tensor) -> None:
         """Add this step's [Hq, T] attention (summed over its observed queries),
         in place, on the device it was computed on: no copy to the host per step.
@@ -323,27 +338,28 @@ class RequestTokens:
 
     # ------------------------------------------------------------ compacting
 
-    def select(self, layer: int, keep: int, keys: KeySource = None) -> torch.Tensor:
+    def select(self, layer: int, keep: int, keys: KeySource = None, values: KeySource = None) -> torch.Tensor:
         """[Hkv, keep] physical indices this layer keeps per head (hole-filling order).
 
-        `keys`: the layer's cached keys [Hkv, T, D] (or what loads them, once,
-        when the scorer reads them). Layers whose scores are equal (the
+        `keys`, `values`: the layer's cached keys and values [Hkv, T, D] (or
+        what loads them, once, when the scorer reads them). Layers whose scores are equal (the
         scorer's `scores_key`) get the same tensor within one compaction
         (callers reuse what they derive from it). The worker selects every
         compacting request's layer in one batch instead: `to_select`, the
         allocation's `select_batch`, then `take_selection`.
         """
-        pending = self.to_select(layer, keep, keys)
+        pending = self.to_select(layer, keep, keys, values)
         selected = None if pending is None else self.plan.allocation.select_batch([pending])[0]
         return self.take_selection(layer, keep, selected)
 
-    def to_select(self, layer: int, keep: int, keys: KeySource = None) -> LayerToSelect | None:
+    def to_select(self, layer: int, keep: int, keys: KeySource = None,
+                  values: KeySource = None) -> LayerToSelect | None:
         """What this layer's selection needs (its scores, scored now), or None
         when it is already known: the upper layer of a merged pair (its
         pair's), a layer whose scores equal the last selected layer's."""
         if layer in self.lower_of or self._last_selected is not None and self._last_key == self._key(layer, keep):
             return None
-        scores, positions = self._scores(layer, keys)
+        scores, positions = self._scores(layer, keys, values)
         upper = self._upper_of(layer)
         if upper is not None:  # one selection for the pair, from both layers' scores
             scores = scores + self._scores(upper)[0]
@@ -382,7 +398,8 @@ class RequestTokens:
         sinks, recent = self.scorer.protected(budget) if after is None else after
         return max(sinks, self.plan.protected_len), recent
 
-    def _scores(self, layer: int, keys: KeySource = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scores(self, layer: int, keys: KeySource = None,
+                values: KeySource = None) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self.positions(layer)
         acc = self._observed(layer)
         obs = Observation(
@@ -392,10 +409,14 @@ class RequestTokens:
             layer=layer,
             num_compressions=self.num_compressions,
             shard=self.shard,
-            keys=keys.to(self.device, torch.float32) if isinstance(keys, torch.Tensor) else None,
-            key_loader=None if keys is None or isinstance(keys, torch.Tensor)
-            else lambda: keys().to(self.device, torch.float32),
+            keys=_dense(keys, self.device),
+            key_loader=_loader(keys, self.device),
             protected_len=self.plan.protected_len,
+            values=_dense(values, self.device),
+            value_loader=_loader(values, self.device),
+            query_moments=self.moments[layer],
+            geometry=self.geometry,
+            logical_len=self.logical_len,
         )
         return self.scorer.score(obs), positions
 
@@ -420,6 +441,18 @@ class RequestTokens:
         if not self.plan.trigger.repeats() or self.scorer.observe.afresh_after_compaction():
             # Never needed again (once), or the next window starts afresh (recent).
             self.attention = [None] * self.num_layers
+        if not self.plan.trigger.repeats():
+            self.moments = [None] * self.num_layers  # a repeating trigger's next compression reads every query
+
+
+def _dense(source: KeySource, device: torch.device) -> torch.Tensor | None:
+    """Cached keys or values given as a tensor, float32 on the state's device (None: loaded, or none)."""
+    return source.to(device, torch.float32) if isinstance(source, torch.Tensor) else None
+
+
+def _loader(source: KeySource, device: torch.device) -> Callable[[], torch.Tensor] | None:
+    """What loads cached keys or values given as a loader, float32 on the state's device."""
+    return None if source is None or isinstance(source, torch.Tensor) else lambda: source().to(device, torch.float32)
 
 
 def _pad_tokens(acc: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from ..sharding import ONE_DEVICE, HeadShard
 if TYPE_CHECKING:
     from ..config import KVCompressConfig
     from ..registry import Components
+    from .expected_attention import QueryGeometry, QueryMoments
 
 
 EVERY_POSITION = 2**62  # past any logical position: a span without an end
@@ -37,8 +38,13 @@ class Observes:
     value: ClassVar[str]  # how messages name it
 
     def attends(self) -> bool:
-        """Whether any query's attention is observed at all."""
+        """Whether any query is observed at all (its attention, or the query itself)."""
         return True
+
+    def scores_attention(self) -> bool:
+        """Whether what is observed is attention (False: the queries
+        themselves, summed into moments: expected attention)."""
+        return self.attends()
 
     def prompt_only(self) -> bool:
         """Whether only prompt queries are observed (nothing while decoding)."""
@@ -152,6 +158,18 @@ class ObservesRecent(Observes):
         return True
 
 
+class ObservesQueries(Observes):
+    # Every query up to the next compression, before RoPE, summed into its
+    # moments (expected attention): no attention is computed for it.
+    value = "queries"
+
+    def scores_attention(self) -> bool:
+        return False
+
+    def span(self, prompt_len, window, next_due):
+        return (0, 0) if next_due is None else (0, next_due)
+
+
 class Observe:
     """The observation kinds a scorer declares (`observe = Observe.ALL`)."""
 
@@ -160,6 +178,7 @@ class Observe:
     ALL = ObservesAll()
     LAST = ObservesLast()
     RECENT = ObservesRecent()
+    QUERIES = ObservesQueries()
 
 
 @dataclass
@@ -186,6 +205,15 @@ class Observation:
     # request's `protect_prefix`, or the prompt under trigger 'decode'): kept
     # whatever their score.
     protected_len: int = 0
+    # The cached values, as the keys (scorers that read them: expected attention).
+    values: torch.Tensor | None = None
+    value_loader: Callable[[], torch.Tensor] | None = None
+    # Observe.QUERIES: the observed queries' moments (before RoPE), how the
+    # model turns and scales queries, and the tokens cached (where the
+    # queries to come start): scorers/expected_attention.py.
+    query_moments: QueryMoments | None = None
+    geometry: QueryGeometry | None = None
+    logical_len: int = 0
 
     def cached_keys(self) -> torch.Tensor:
         """[num_kv_heads, T, head_dim] the layer's cached keys (float32, on the cache's device)."""
@@ -194,6 +222,14 @@ class Observation:
                 raise RuntimeError(f"kv_compress: no cached keys were given for layer {self.layer}")
             self.keys = self.key_loader()
         return self.keys
+
+    def cached_values(self) -> torch.Tensor:
+        """[num_kv_heads, T, head_dim] the layer's cached values (float32, on the cache's device)."""
+        if self.values is None:
+            if self.value_loader is None:
+                raise RuntimeError(f"kv_compress: no cached values were given for layer {self.layer}")
+            self.values = self.value_loader()
+        return self.values
 
     @property
     def first_kv_head(self) -> int:
@@ -219,8 +255,9 @@ class Scorer(Component):
     noisy: ClassVar[bool] = False
     # One score per token for every KV head of a layer (they keep the same tokens).
     same_for_every_head: ClassVar[bool] = False
-    # score() reads the cached keys (`Observation.cached_keys`): it selects
-    # from each layer's own keys when that layer compresses.
+    # score() reads the cached keys (`Observation.cached_keys`; its values
+    # too, `cached_values`): it selects from each layer's own keys when that
+    # layer compresses.
     needs_keys: ClassVar[bool] = False
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
@@ -255,6 +292,15 @@ class Scorer(Component):
 
     def window_queries(self) -> int:
         """How many trailing prompt queries Observe.WINDOW accumulates."""
+        return 0
+
+    def query_covariance(self) -> bool:
+        """Observe.QUERIES: whether the queries' covariance is kept beside their mean."""
+        return False
+
+    def observed_from(self) -> int:
+        """Queries at logical positions below this are never observed (expected
+        attention leaves its sinks' queries out of the statistics)."""
         return 0
 
     def scores_key(self, layer: int) -> int:

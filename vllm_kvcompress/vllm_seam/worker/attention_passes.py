@@ -9,6 +9,8 @@ forward of a compressed layer, for the step's requests that need it:
   FusedDecode     attend and score decode queries in one op (vLLM's kernel
                   attended one key for them: step_inputs.MetadataEdits)
   ObservedScores  score the other observed queries
+  ObservedQueries add observed queries, turned back before RoPE, to their
+                  request's moments (expected attention: no attention scored)
   HeldQueries     keep the observed queries of a step that verifies drafts
                   until their acceptance is known (speculation.py)
 
@@ -24,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from ... import host_reads
+from ...host_reads import upload
 from ...kernels.torch_paged import softmax_with_sinks
 from ...schedule import cdiv
+from ...scorers.expected_attention import unrotate
 from ...step_records import ReportedBudgets
 from ...token_state import SpeculativeQueries
 from .step_inputs import ScoringBatch, StepRequest, padded
@@ -53,6 +57,7 @@ class StepPasses:
     def __init__(self, worker: WorkerCompression) -> None:
         self.worker = worker
         self.observed: list[StepRequest] = []  # the queries a scorer observes
+        self.queried: list[StepRequest] = []  # of requests whose scorer sums the queries themselves
         # Of those, requests whose one query (a decode step) gets its attention
         # and its scores from one op (`attend_fused`): vLLM's kernel sees them
         # as one-key rows (`fused_rows`, rows of the step's batch) and does not
@@ -67,7 +72,7 @@ class StepPasses:
         self.fused_scores: dict[int, torch.Tensor] = {}
         self.layers_seen = 0
         self.passes = (MaskedHeads(self), MergedLayers(self), FusedDecode(self), HeldQueries(self),
-                       ObservedScores(self))
+                       ObservedQueries(self), ObservedScores(self))
 
     def batch(self, kind: str, group: int) -> ScoringBatch | None:
         """The step's `kind` requests of a group as one batch (built once per step):
@@ -243,6 +248,36 @@ class HeldQueries(AttentionPass):
             if r.request_id not in self.worker.failed:
                 with self.worker.isolated(r.request_id, "holding speculative queries"):
                     r.state.hold_speculative(layer, SpeculativeQueries(query[r.token_idx].clone(), r.q_logical))
+
+
+class ObservedQueries(AttentionPass):
+    """Observed queries of scorers that read the queries themselves: turned
+    back before RoPE (one op for the step's requests), added to each request's moments."""
+
+    def __init__(self, step: StepPasses) -> None:
+        super().__init__(step)
+        # The step's rows and their RoPE tables, built at the first layer.
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def run(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
+        requests = self.step.queried
+        if not requests:
+            return
+        worker = self.worker
+        with worker.timer.phase("scoring"):
+            if self._rows is None:
+                assert worker.geometry is not None  # a request without it fails at its start
+                positions = upload(torch.cat([r.q_logical for r in requests]), worker.device)
+                self._rows = (torch.cat([r.token_idx for r in requests]), *worker.geometry.cos_sin(positions))
+            token_idx, cos, sin = self._rows
+            before_rope = unrotate(query[token_idx], cos, sin)
+            start = 0
+            for r in requests:
+                n = len(r.token_idx)
+                if r.request_id not in worker.failed:
+                    with worker.isolated(r.request_id, "observing queries"):
+                        r.state.observe_queries(layer, before_rope[start: start + n])
+                start += n
 
 
 class ObservedScores(AttentionPass):

@@ -10,6 +10,7 @@ compaction, and each KV cache group's block table is cut to its new length.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,7 +91,7 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
     for layer in range(worker.num_layers):
         g = worker.group_of_layer[layer]
         keys, values = worker.views(worker.layers[layer].kv_cache)
-        keeps = _select_layer(worker, compactions, states, live, layer, keys, tables[g])
+        keeps = _select_layer(worker, compactions, states, live, layer, keys, values, tables[g])
         kept_rows = {i: k for i, k in enumerate(keeps) if k is not None and live[i]}
         selected = {i: k for i, k in kept_rows.items() if layer not in merging[i]}
         op_inputs = _op_inputs(worker, selected, copied, op_tables[g], g, len(keeps)) if selected else None
@@ -157,7 +158,8 @@ def _op_inputs(worker: WorkerCompression, selected: dict[int, torch.Tensor],
 
 
 def _select_layer(worker: WorkerCompression, compactions: list[Compaction], states: list[RequestTokens | None],
-                  live: list[bool], layer: int, keys: torch.Tensor, table: torch.Tensor) -> list[torch.Tensor | None]:
+                  live: list[bool], layer: int, keys: torch.Tensor, values: torch.Tensor,
+                  table: torch.Tensor) -> list[torch.Tensor | None]:
     """The kept indices [Hkv, new length] of this layer for every live
     request (None: failed), selected in batches: requests whose allocations
     and selections select alike share one [R, Hkv, T] selection on the
@@ -173,11 +175,13 @@ def _select_layer(worker: WorkerCompression, compactions: list[Compaction], stat
         for i in batch:
             c = compactions[i]
             with worker.isolated(c.request_id, "selection"):
-                # Scorers that read the cached keys (R-KV's redundancy) get them dense.
-                def dense(table=table[i], length=c.old_lengths[g]) -> torch.Tensor:
-                    return worker.ops.gather_dense(keys, table, length)
+                # Scorers that read the cached keys (R-KV's redundancy) or values
+                # (expected attention) get them dense.
+                def dense(view: torch.Tensor, table=table[i], length=c.old_lengths[g]) -> torch.Tensor:
+                    return worker.ops.gather_dense(view, table, length)
 
-                pending[i] = selecting[i].to_select(layer, c.new_lengths[g], dense)
+                pending[i] = selecting[i].to_select(layer, c.new_lengths[g], functools.partial(dense, keys),
+                                                    functools.partial(dense, values))
         to_select = {i: p for i, p in pending.items() if p is not None}
         selected = _select_batch(worker, compactions, selecting, to_select) if to_select else {}
         for i in pending:

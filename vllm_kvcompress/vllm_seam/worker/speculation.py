@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...host_reads import upload
+from ...scorers.expected_attention import unrotate
 from ...token_state import RequestTokens, SpeculativeQueries
 from ..groups import layer_index
 
@@ -50,11 +51,16 @@ def settle_requests(worker: WorkerCompression, settled: dict[str, int]) -> None:
 def _score_accepted(worker: WorkerCompression, rid: str, state: RequestTokens,
                     accepted: dict[int, SpeculativeQueries]) -> None:
     """Each accepted query's attention over the keys up to its own slot, added
-    to the scores one query at a time, in position order (a decode step's sum)."""
+    to the scores one query at a time, in position order (a decode step's sum);
+    or, for a scorer of the queries themselves, the queries added to its moments."""
     ids = worker.runner.block_ids(rid)
     device = worker.device
     tables: dict[int, torch.Tensor] = {}  # one upload per KV cache group
     for layer, held in accepted.items():
+        if not state.scorer.observe.scores_attention():  # expected attention: the queries themselves
+            assert worker.geometry is not None  # a request without it fails at its start
+            state.observe_queries(layer, unrotate(held.queries, *worker.geometry.cos_sin(upload(held.logical, device))))
+            continue
         group = worker.group_of_layer[layer]
         # The tail is contiguous: a query's slot is its position less the layer's evictions.
         offset = state.logical_len - state.num_tokens(layer)

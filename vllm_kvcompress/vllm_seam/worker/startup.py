@@ -13,6 +13,7 @@ import torch
 
 from ...cache_layout import CACHE_DTYPES, CacheDType
 from ...config import CONFIG_KEY
+from ...scorers.expected_attention import QueryGeometry
 from ...sharding import ONE_DEVICE, HeadShard
 from ...token_state import score_bytes_per_kv_byte, selection_scratch_bytes
 
@@ -114,6 +115,56 @@ def check_scoring_exact(layer) -> None:
         if value is not None and (isinstance(value, torch.Tensor) or value not in (0, 0.0)):
             raise RuntimeError(f"kv_compress cannot be served with {what} (layer {layer.layer_name}); "
                                f"its scores would not be the model's attention")
+
+
+# RotaryEmbedding's forward methods: a subclass that overrides none of them
+# turns a query at position p by row p of its cos_sin_cache (NeoX or GPT-J
+# layout), which is what expected attention reads back.
+_ROPE_FORWARDS = ("forward_static", "forward_native", "forward_cuda", "forward_cpu", "forward_hip", "forward_xpu")
+
+
+def query_geometry(model, layers, scales: list[float]) -> tuple[QueryGeometry | None, str]:
+    """How the compressed layers turn and scale their queries (expected
+    attention un-turns the queries vLLM's attention sees, and turns their
+    moments to the positions to come), or None and why not.
+
+    Each layer's rotary embedding is its attention module's `rotary_emb`
+    beside its `attn` (every model the plugin serves builds them so). Served:
+    one table for every compressed layer, NeoX's layout, rows indexed by
+    position alone (vLLM's RotaryEmbedding or a subclass keeping its forward:
+    linear, Llama 3, YaRN and NTK scalings); refused: GPT-J's interleaved
+    layout, multimodal and long/short (Phi-3 LongRoPE) tables, per-layer tables."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    rotary_of = {module.attn.layer_name: module.rotary_emb for module in model.modules()
+                 if isinstance(getattr(module, "rotary_emb", None), torch.nn.Module)
+                 and hasattr(getattr(module, "attn", None), "layer_name")}
+    rotaries = [rotary_of.get(layer.layer_name) for layer in layers]
+    missing = [layer.layer_name for layer, r in zip(layers, rotaries) if r is None]
+    if missing:
+        return None, f"no rotary embedding found beside layer {missing[0]}"
+    rotary = rotaries[0]
+    kind = type(rotary)
+    if not isinstance(rotary, RotaryEmbedding) or any(
+            getattr(kind, name, None) is not getattr(RotaryEmbedding, name, None) for name in _ROPE_FORWARDS):
+        return None, f"rotary embedding {kind.__name__} (not a table indexed by position alone)"
+    if not rotary.is_neox_style:
+        return None, "GPT-J-style (interleaved) rotary embedding"
+    if len(getattr(rotary, "scaling_factors", ())) > 1:
+        return None, f"{kind.__name__} with several scaling factors"
+    if any(r is not rotary and not torch.equal(r.cos_sin_cache, rotary.cos_sin_cache)
+           for r in (rotary_of[layer.layer_name] for layer in layers)):
+        return None, "compressed layers with different rotary embeddings"
+    if len(set(scales)) != 1:
+        return None, f"compressed layers with different attention scales {sorted(set(scales))}"
+    half = rotary.rotary_dim // 2
+
+    def cos_sin(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = rotary.cos_sin_cache  # read per call: vLLM may move or recast it at a forward
+        rows = table.index_select(0, positions.to(table.device)).to(torch.float32)
+        return rows[:, :half], rows[:, half:]
+
+    return QueryGeometry(cos_sin=cos_sin, max_position=rotary.cos_sin_cache.shape[0], scale=scales[0]), ""
 
 
 def tensor_parallel_shard() -> HeadShard:

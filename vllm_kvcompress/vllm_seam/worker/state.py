@@ -27,6 +27,7 @@ import torch
 from ...cache_layout import AUTO, LAYOUTS, CacheDType, KVViews
 from ...config import CONFIG_KEY, KVCompressConfig
 from ...kernels import get_ops
+from ...scorers.expected_attention import QueryGeometry
 from ...sharding import HeadShard
 from ...step_records import ReportedBudgets, log_failure, step_plan_of
 from ...token_state import RequestTokens
@@ -37,7 +38,14 @@ from .compaction import FAULT_ENV, compact_requests
 from .heap import HeapTrimmer
 from .runner_view import RunnerView, view_of
 from .speculation import DraftLayer, DraftSlots, draft_layers, settle_requests
-from .startup import CACHE_WRITERS, cache_dtype_of, check_layout, check_scoring_exact, tensor_parallel_shard
+from .startup import (
+    CACHE_WRITERS,
+    cache_dtype_of,
+    check_layout,
+    check_scoring_exact,
+    query_geometry,
+    tensor_parallel_shard,
+)
 from .step_inputs import MetadataEdits
 from .timing import PhaseTimer
 
@@ -95,6 +103,13 @@ class WorkerCompression:
                                                                       compressed.vllm_groups.index(0), self.device)
         check_layout(layers[0], self.views, self.ops, CACHE_WRITERS[backend], backend, cache_dtype,
                      runner.vllm_config.model_config.dtype)
+        # Scorers that observe the queries themselves (expected attention) turn them back before RoPE.
+        geometry, self.no_geometry = query_geometry(runner.get_model(), layers, self.scales)
+        self.geometry: QueryGeometry | None = geometry
+        parts = config.components()
+        if parts is not None and self.geometry is None and _observes_queries(parts.scorer):
+            raise RuntimeError(f"kv_compress: scorer {parts.scorer.name!r} (policy {config.policy!r}) cannot serve "
+                               f"this model: {self.no_geometry}")
         # The attention backend and the metadata builders find this worker on
         # the objects they are called with (every attention layer and group).
         for module in attn_layers.values():
@@ -167,6 +182,9 @@ class WorkerCompression:
         fault = os.environ.get(FAULT_ENV, "")
         self.fault_prompt_len = int(fault) if fault.isdigit() else None
         self.heap = HeapTrimmer()  # freed host memory back to the system (heap.py)
+        # How the model turns its queries (expected attention), or why it is not known.
+        self.geometry = None
+        self.no_geometry = "no model given"
 
     # ------------------------------------------------------------ failures
 
@@ -218,8 +236,12 @@ class WorkerCompression:
             self.evicted.pop(started.request_id, None)
             if started.plan is not None:
                 with self.isolated(started.request_id, "start"):
+                    scorer = started.plan.scorer
+                    if self.geometry is None and _observes_queries(scorer):
+                        raise RuntimeError(f"scorer {scorer.name!r} cannot serve this model: {self.no_geometry}")
                     self.states[started.request_id] = RequestTokens(
-                        started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard, self.device)
+                        started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard, self.device,
+                        self.geometry)
         settle_requests(self, plan.settled)
         self.speculative = frozenset(getattr(so, "scheduled_spec_decode_tokens", None) or ())
         for rid, due in plan.next_due.items():
@@ -254,6 +276,11 @@ class WorkerCompression:
         self.step = None
         self.metadata_edits = None
         self.draft_slots = None
+
+
+def _observes_queries(scorer) -> bool:
+    """Whether a scorer observes the queries themselves (expected attention)."""
+    return scorer.observe.attends() and not scorer.observe.scores_attention()
 
 
 def gather_failed(failed: list[str]) -> list[str]:

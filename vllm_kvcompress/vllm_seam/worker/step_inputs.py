@@ -212,7 +212,7 @@ def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens
             _add_request(worker, step, i, rid, state, slice(start, start + n), positions_host, physical_host)
         except Exception as e:  # noqa: BLE001 - one request's observation, never the step
             worker.fail(rid, "observation", e)
-    return step if step.observed or step.speculative or step.masked or step.merged else None
+    return step if step.observed or step.queried or step.speculative or step.masked or step.merged else None
 
 def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, state: RequestTokens,
                  sl: slice,
@@ -227,6 +227,9 @@ def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, 
         # Verifying drafts: its observed queries wait until the scheduler
         # says which were accepted (speculation.py).
         step.speculative.append(_step_request(worker, rid, state, sl, observed, q_log, physical_host))
+    elif observed.any() and not state.scorer.observe.scores_attention():
+        # The queries themselves (expected attention): no attention is scored for them.
+        step.queried.append(_step_request(worker, rid, state, sl, observed, q_log, physical_host))
     elif observed.any():
         request = _step_request(worker, rid, state, sl, observed, q_log, physical_host)
         step.observed.append(request)

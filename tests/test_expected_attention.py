@@ -1,0 +1,154 @@
+"""Expected attention (kvpress's ExpectedAttentionPress): the math against a
+plain-torch transcription of kvpress's formulas, and the engine's greedy
+tokens against the reference decoder's.
+
+The engine sees its queries after RoPE and turns them back with vLLM's own
+cos/sin table; the reference decoder takes them before RoPE from its own
+forward pass, and turns the moments with transformers' RoPE: equal tokens
+check the un-turning, the chunked accumulation and the scoring together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import engine_kwargs, random_prompts
+from vllm_kvcompress.config import KVCompressConfig
+from vllm_kvcompress.scorers import Observation
+from vllm_kvcompress.scorers.expected_attention import (
+    ExpectedAttention,
+    QueryGeometry,
+    QueryMoments,
+    unrotate,
+)
+
+NEW_TOKENS = 24
+
+
+def _rope_tables(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
+    return angles.cos().float(), angles.sin().float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb on [n, H, D] over the first 2 * cos.shape[-1] dims."""
+    r = 2 * cos.shape[-1]
+    c, s = torch.cat([cos, cos], -1).unsqueeze(1), torch.cat([sin, sin], -1).unsqueeze(1)
+    half = r // 2
+    xr = x[..., :r]
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    return torch.cat([xr * c + rotated * s, x[..., r:]], dim=-1)
+
+
+def kvpress_scores(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_len: int,
+                   n_future: int, n_sink: int, rotary_dim: int, covariance: bool) -> torch.Tensor:
+    """kvpress's ExpectedAttentionPress.score, transcribed: queries [N, Hq, D]
+    before RoPE (all of the prompt's), keys/values [Hkv, T, D] (T = q_len);
+    the rotation matrix built per future position and averaged."""
+    hq, d = queries.shape[1], queries.shape[2]
+    hkv = keys.shape[0]
+    h = queries[n_sink:].double()
+    mu = h.mean(dim=0)  # [Hq, D]
+    centred = h - mu
+    cov = torch.einsum("nhd,nhe->hde", centred, centred) / h.shape[0]
+    cos, sin = _rope_tables(torch.arange(q_len, q_len + n_future), rotary_dim)
+    half = rotary_dim // 2
+    rot = torch.zeros(n_future, d, d, dtype=torch.float64)
+    for f in range(n_future):
+        m = torch.eye(d, dtype=torch.float64)
+        for i in range(half):
+            m[i, i] = m[i + half, i + half] = cos[f, i]
+            m[i, i + half], m[i + half, i] = -sin[f, i], sin[f, i]
+        rot[f] = m
+    r = rot.mean(dim=0)
+    mu = mu @ r.T
+    cov = r @ cov @ r.T
+    k = keys[:, n_sink:].double().repeat_interleave(hq // hkv, dim=0)  # [Hq, T', D]
+    logits = (k @ mu.unsqueeze(-1)).squeeze(-1) / math.sqrt(d)
+    if covariance:
+        logits += torch.einsum("htd,hde,hte->ht", k, cov, k) / d / 2
+    probs = torch.softmax(logits, dim=-1).view(hkv, hq // hkv, -1).mean(dim=1)
+    scores = probs * values[:, n_sink:].double().norm(dim=-1)
+    return torch.cat([scores.max().expand(hkv, n_sink), scores], dim=1).float()
+
+
+@pytest.mark.parametrize("rotary_dim,statistics", [(16, "covariance"), (8, "covariance"), (16, "mean")])
+def test_scores_equal_kvpress_math(rotary_dim, statistics):
+    """Moments accumulated in chunks from queries turned back from after
+    RoPE, scored at the prompt's end, equal kvpress's formulas on the
+    queries before RoPE (partial RoPE: rotary_dim below the head's 16)."""
+    torch.manual_seed(0)
+    n, hq, hkv, d, n_sink, n_future = 120, 4, 2, 16, 4, 64
+    queries = torch.randn(n, hq, d) * 2 + torch.randn(hq, d)
+    keys, values = torch.randn(hkv, n, d), torch.randn(hkv, n, d)
+    positions = torch.arange(n)
+    scorer = ExpectedAttention(sink_tokens=n_sink, future_positions=n_future, statistics=statistics)
+    moments = QueryMoments.empty(hq, d, scorer.query_covariance(), torch.device("cpu"))
+    for chunk in torch.arange(n_sink, n).split(37):  # as the engine's chunked prefill does
+        cos, sin = _rope_tables(chunk, rotary_dim)
+        moments.add(unrotate(_rotate(queries[chunk], cos, sin), cos, sin))
+    geometry = QueryGeometry(cos_sin=lambda p: _rope_tables(p, rotary_dim), max_position=4096, scale=d ** -0.5)
+    obs = Observation(attention=None, positions=positions.expand(hkv, -1), num_kv_heads=hkv, layer=0,
+                      num_compressions=0, keys=keys, values=values, query_moments=moments, geometry=geometry,
+                      logical_len=n)
+    want = kvpress_scores(queries, keys, values, n, n_future, n_sink, rotary_dim, statistics == "covariance")
+    torch.testing.assert_close(scorer.score(obs), want, rtol=2e-4, atol=1e-7)
+
+
+def test_unrotate_inverts_a_scaled_rope():
+    """The inverse holds for tables that carry a magnitude (YaRN's mscale)."""
+    torch.manual_seed(1)
+    q = torch.randn(10, 3, 12)
+    cos, sin = _rope_tables(torch.arange(100, 110), 8)
+    cos, sin = cos * 1.3, sin * 1.3
+    torch.testing.assert_close(unrotate(_rotate(q, cos, sin), cos, sin), q)
+
+
+@pytest.fixture(scope="module")
+def engine(start_engine, tiny_model):
+    # A prompt of 300 tokens runs as three chunks: the moments add up over steps.
+    return start_engine(**engine_kwargs(tiny_model, kv_compress="none", max_num_batched_tokens=128))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from kvc_tools.reference_decoder import ReferenceDecoder
+
+    return ReferenceDecoder(tiny_model)
+
+
+@pytest.mark.mrv2
+def test_compositions_match_reference(engine, reference):
+    """Expected attention alone, with span carry, the mean alone, a rolling
+    trigger and a ratio, one batch with an uncompressed request; prompts in
+    several chunks; greedy tokens equal the reference decoder's."""
+    prompts = random_prompts((300, 180, 240, 150, 210, 120), seed=71)
+    configs = [
+        {"policy": "expected_attention", "budget": 64},
+        {"policy": "expected_attention", "budget": 48, "selection": "span", "span": 8},
+        {"policy": "expected_attention", "budget": 64, "statistics": "mean", "future_positions": 64},
+        {"policy": "expected_attention", "budget": 40, "trigger": "rolling", "interval": 8},
+        {"policy": "expected_attention", "compression_ratio": 0.75, "sink_tokens": 0},
+        None,
+    ]
+    before = engine.stats()
+    got = engine.generate(prompts, NEW_TOKENS, configs)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict(config) if config else None
+        assert tokens == reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"], config
+    assert engine.stats()["compressions"] - before["compressions"] >= len(configs) - 1
+
+
+def test_expected_attention_chooses_other_tokens_than_snapkv(reference):
+    """The scorer is not a relabelled other one: on the same prompt and
+    budget it keeps other positions than SnapKV and than the key norm."""
+    prompt = random_prompts((200,), seed=72)[0]
+    kept = {policy: reference.generate(prompt, 2, KVCompressConfig.from_dict({"policy": policy, "budget": 48}),
+                                       block_size=32)["kept_positions"][1]
+            for policy in ("expected_attention", "snapkv", "knorm")}
+    assert not torch.equal(kept["expected_attention"].sort().values, kept["snapkv"].sort().values)
+    assert not torch.equal(kept["expected_attention"].sort().values, kept["knorm"].sort().values)
