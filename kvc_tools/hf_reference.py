@@ -19,9 +19,12 @@ scorers, selection); model code is transformers', attention here.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from vllm_kvcompress.cache_layout import CacheDType
+from vllm_kvcompress.scorers.expected_attention import QueryGeometry, unrotate
 from vllm_kvcompress.token_state import RequestTokens
 
 from .reference_decoder import ReferenceDecoder, dense_attention, gather_slots
@@ -59,7 +62,18 @@ class HFAttentionReference(ReferenceDecoder):
             raise ValueError(f"HF reference: compressed layers with different KV head counts {sorted(kv_heads)}")
         self.num_kv_heads = kv_heads.pop()
         self.step: tuple[RequestTokens | None, torch.Tensor, torch.Tensor | None] | None = None
-        self.geometry = None  # expected attention's queries before RoPE: not taken here
+        # Expected attention: the queries reach the attention function after
+        # RoPE, and are turned back with transformers' own tables.
+        attention = layers[next(iter(self.compressed))].self_attn
+        self.geometry = QueryGeometry(cos_sin=self._full_attention_cos_sin,
+                                      max_position=cfg.max_position_embeddings, scale=attention.scaling)
+
+    def _full_attention_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = self.model.model.rotary_emb
+        by_type = ("full_attention",) if "layer_type" in inspect.signature(rotary.forward).parameters else ()
+        cos, sin = rotary(torch.zeros(1, dtype=self.model.dtype), positions.view(1, -1), *by_type)
+        half = cos.shape[-1] // 2
+        return cos[0, :, :half], sin[0, :, :half]
 
     def _empty_cache(self):
         from transformers import DynamicCache
@@ -113,5 +127,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     out, logits = dense_attention(query[0], keys, values, query.shape[-1] ** -0.5 if scaling is None else scaling,
                                   hidden, dead, sinks)
     if state is not None and observed is not None and observed.any():
-        state.observe(c, logits[:, observed], q_positions[observed], sinks)
+        if state.scorer.observe.scores_attention():
+            state.observe(c, logits[:, observed], q_positions[observed], sinks)
+        else:  # expected attention: the queries themselves, turned back before RoPE
+            assert decoder.geometry is not None
+            cos, sin = decoder.geometry.cos_sin(q_positions[observed])
+            state.observe_queries(c, unrotate(query[0][:, observed].transpose(0, 1), cos, sin))
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None

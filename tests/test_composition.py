@@ -24,6 +24,7 @@ from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.plan import resolve_plan
 from vllm_kvcompress.schedule import RequestSchedule, layer_groups
 from vllm_kvcompress.scorers import SCORERS, hash_uniform
+from vllm_kvcompress.scorers.expected_attention import QueryGeometry
 from vllm_kvcompress.scorers.knorm import NORM_DECIMALS
 from vllm_kvcompress.selection import SELECTIONS
 from vllm_kvcompress.token_state import RequestTokens
@@ -44,9 +45,12 @@ SCORER_PARAMS = {
     "random": {"window": 4, "seed": 3},
     "rkv": {"window": 4, "kernel_size": 3, "mix_lambda": 0.5, "threshold": 0.3},
     "knorm": {},
+    "expected_attention": {"sink_tokens": 4, "future_positions": 24},
 }
 ATTENTION_SCORERS = {"snapkv", "h2o", "tova", "keyformer", "rkv"}
-KEY_DIM = 4  # synthetic cached keys, for R-KV's redundancy
+QUERY_SCORERS = {"expected_attention"}  # it observes the queries themselves
+KEY_DIM = 4  # synthetic cached keys (R-KV's redundancy), values and queries (expected attention)
+ROPE_BASE = 100.0  # the synthetic model's RoPE over all KEY_DIM dimensions (NeoX layout)
 SPAN, CHUNK_LENGTH = 5, 6
 # Allocation retrieval's profile: layer scores 0.3 and 0.9.
 PROFILE = str(Path(__file__).parent / "data" / "retrieval-profile-2-layers.json")
@@ -70,8 +74,12 @@ def config_for(scorer: str, allocation: str, trigger: str, selection: str) -> di
 
 def refusal(scorer: str, allocation: str, trigger: str, selection: str) -> str | None:
     """The field a combination that cannot be served is refused on (None: served)."""
+    if allocation == "per_head" and scorer in QUERY_SCORERS:
+        return "allocation"  # head budgets are derived before the keys are read (the scorer's check, first)
+    if trigger == "streamed" and scorer in QUERY_SCORERS:
+        return "trigger"  # a later query could change its choice (the trigger's check, before the allocation's)
     if allocation in ("adaptive", "per_head") and scorer not in ATTENTION_SCORERS:
-        return "allocation"  # budgets from attention, and the scorer observes none
+        return "allocation"  # budgets from attention, and the scorer observes no attention
     if allocation == "per_head" and scorer == "rkv":
         return "allocation"  # head budgets are derived before the keys are read
     if allocation == "per_head" and scorer == "tova":
@@ -121,6 +129,71 @@ def key_vector(layer: int, kv_head: int, position: int) -> list[float]:
     return [math.sin(layer * 3.1 + kv_head * 7.7 + position * (0.37 + 0.11 * d) + d) for d in range(KEY_DIM)]
 
 
+def value_vector(layer: int, kv_head: int, position: int) -> list[float]:
+    """Synthetic cached value of a token (expected attention reads values)."""
+    return [math.cos(layer * 2.3 + kv_head * 5.1 + position * (0.29 + 0.07 * d) - d) for d in range(KEY_DIM)]
+
+
+def query_vector(step: int, layer: int, q_head: int) -> list[float]:
+    """Synthetic query before RoPE of an observed step (expected attention)."""
+    return [math.cos(step * 0.7 + layer * 1.3 + q_head * 2.9 + d * 0.5) * (1 + 0.3 * d) + 0.2 * d
+            for d in range(KEY_DIM)]
+
+
+def rope_angles(position: float) -> list[float]:
+    return [position / ROPE_BASE ** (2 * i / KEY_DIM) for i in range(KEY_DIM // 2)]
+
+
+def _cos_sin(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.tensor([rope_angles(float(p)) for p in positions.tolist()], dtype=torch.float64)
+    return angles.cos().float(), angles.sin().float()
+
+
+GEOMETRY = QueryGeometry(cos_sin=_cos_sin, max_position=4096, scale=KEY_DIM ** -0.5)
+
+
+def naive_expected_attention(layer: int, kv_head: int, positions: list[int], queries: list[list[list[float]]],
+                             logical_len: int) -> list[float]:
+    """Expected attention (docs/policies.md): per query head of the KV head's
+    group, the observed queries' mean and covariance turned by RoPE's rotation
+    matrices averaged over the next `future_positions` positions; a softmax
+    over the non-sink tokens of s mu.k + s^2 k^T Sigma k / 2; the group's
+    mean times ||v||; sinks get the highest score."""
+    params = SCORER_PARAMS["expected_attention"]
+    sinks, future, d, half, scale = params["sink_tokens"], params["future_positions"], KEY_DIM, KEY_DIM // 2, \
+        KEY_DIM ** -0.5
+    turn = [[0.0] * d for _ in range(d)]  # the averaged rotation matrix
+    for f in range(logical_len, logical_len + future):
+        for i, a in enumerate(rope_angles(f)):
+            turn[i][i] += math.cos(a) / future
+            turn[i + half][i + half] += math.cos(a) / future
+            turn[i][i + half] -= math.sin(a) / future
+            turn[i + half][i] += math.sin(a) / future
+    scores = [0.0] * len(positions)
+    for q_head in range(kv_head * GROUP, (kv_head + 1) * GROUP):
+        rows = [q[q_head] for q in queries]
+        mean = [sum(r[i] for r in rows) / len(rows) for i in range(d)]
+        cov = [[sum((r[i] - mean[i]) * (r[j] - mean[j]) for r in rows) / len(rows) for j in range(d)]
+               for i in range(d)]
+        mu = [sum(turn[i][a] * mean[a] for a in range(d)) for i in range(d)]
+        sigma = [[sum(turn[i][a] * cov[a][b] * turn[j][b] for a in range(d) for b in range(d)) for j in range(d)]
+                 for i in range(d)]
+        logits = {}
+        for p in positions:
+            if p >= sinks:
+                k = key_vector(layer, kv_head, p)
+                logits[p] = scale * sum(m * x for m, x in zip(mu, k)) + scale * scale / 2 * sum(
+                    k[i] * sigma[i][j] * k[j] for i in range(d) for j in range(d))
+        top = max(logits.values())
+        total = sum(math.exp(v - top) for v in logits.values())
+        for i, p in enumerate(positions):
+            if p >= sinks:
+                scores[i] += math.exp(logits[p] - top) / total / GROUP
+    scores = [s * math.sqrt(sum(x * x for x in value_vector(layer, kv_head, p))) for s, p in zip(scores, positions)]
+    best = max(s for s, p in zip(scores, positions) if p >= sinks)
+    return [best if p < sinks else s for s, p in zip(scores, positions)]
+
+
 def naive_redundancy(layer: int, kv_head: int, candidates: list[int], threshold: float) -> dict[int, float]:
     """R-KV: per candidate, softmax over candidates of the mean cosine similarity to
     the others, each token's most recent near-duplicate forgotten."""
@@ -146,9 +219,13 @@ def group_mean(values: list[list[float]]) -> list[float]:
 
 
 def naive_scores(scorer: str, kv_head: int, layer: int, positions: list[int], attention: dict,
-                 num_compressions: int, protected_len: int = 0) -> list[float]:
+                 num_compressions: int, protected_len: int = 0, queries: list | None = None,
+                 logical_len: int = 0) -> list[float]:
     """methods.md's score of each cached token of one KV head (positions in cache order)."""
     params = SCORER_PARAMS[scorer]
+    if scorer == "expected_attention":
+        assert queries is not None
+        return naive_expected_attention(layer, kv_head, positions, queries, logical_len)
     if scorer == "streamingllm":
         return [float(p) for p in positions]
     if scorer == "random":  # the hash itself is the definition (tested in test_core)
@@ -182,16 +259,20 @@ def naive_protected(scorer: str, budget: int) -> tuple[int, int]:
         return params["sink_tokens"], budget - params["sink_tokens"]
     if scorer == "h2o":
         return 0, int(budget * params["recent_ratio"])
+    if scorer == "expected_attention":
+        return params["sink_tokens"], 0
     return 0, params.get("window", 0)
 
 
 def naive_ranked(scorer, selection, kv_head, layer, positions, attention, num_compressions, budget,
-                 protected_len: int = 0, protection: tuple[int, int] | None = None) -> list[float]:
+                 protected_len: int = 0, protection: tuple[int, int] | None = None, queries: list | None = None,
+                 logical_len: int = 0) -> list[float]:
     """What the top-k ranks, for `positions` in logical order: protected tokens first (inf).
 
     `budget` counts the tokens after the protected start (`protected_len`);
     `protection`: (sinks, recent) instead of the scorer's (a trigger's own)."""
-    scores = naive_scores(scorer, kv_head, layer, positions, attention, num_compressions, protected_len)
+    scores = naive_scores(scorer, kv_head, layer, positions, attention, num_compressions, protected_len,
+                          queries, logical_len)
     sinks, recent = protection or naive_protected(scorer, budget)
     sinks = max(sinks, protected_len)
     newest = sorted(positions)[-recent:] if recent else []
@@ -223,7 +304,7 @@ def min_budget(scorer: str) -> int:
     params = SCORER_PARAMS[scorer]
     if scorer == "snapkv":
         return params["window"]
-    if scorer == "streamingllm":
+    if scorer in ("streamingllm", "expected_attention"):
         return params["sink_tokens"] + 1
     if scorer == "h2o":
         return 1
@@ -317,7 +398,7 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
                                          "protect_prefix": protect_prefix})
     plan = resolve_plan(config, PROMPT, NUM_LAYERS, BLOCK)
     state = RequestSchedule.create(plan, layer_groups(NUM_LAYERS, NUM_LAYERS))
-    rc = RequestTokens(plan, NUM_LAYERS, HKV, HQ)
+    rc = RequestTokens(plan, NUM_LAYERS, HKV, HQ, geometry=GEOMETRY)
     observe = scorer in ATTENTION_SCORERS
     protected_len = PROMPT if trigger == "decode" else protect_prefix  # the prompt is kept whole
     assert plan.protected_len == protected_len
@@ -326,6 +407,7 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
     # (a set) and the attention accumulated per (query head, position).
     cached = [[set() for _ in range(HKV)] for _ in range(NUM_LAYERS)]
     attention = [dict() for _ in range(NUM_LAYERS)]
+    queries: list[list] = [[] for _ in range(NUM_LAYERS)]  # per layer, each observed step's [HQ][KEY_DIM]
     compressed_at = []
     logical, step = 0, 0
 
@@ -342,6 +424,10 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
             step += 1
             observed_at.append(q_pos)
             for layer in range(NUM_LAYERS):
+                if scorer in QUERY_SCORERS:  # the query itself, before RoPE
+                    queries[layer].append([query_vector(step, layer, q) for q in range(HQ)])
+                    rc.observe_queries(layer, torch.tensor(queries[layer][-1:], dtype=torch.float32))
+                    continue
                 order = rc.positions(layer)  # [Hkv, T]: the cache order the engine scores in
                 rows = attention_rows(step + 1000 * layer, q_pos + 1)
                 by_query_head = order.repeat_interleave(GROUP, dim=0)  # [HQ, T]
@@ -363,13 +449,15 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
         per_head_counts = None
         for layer in range(NUM_LAYERS):
             order = rc.positions(layer)
-            keys = torch.tensor([[key_vector(layer, h, p) for p in row] for h, row in enumerate(order.tolist())])
-            keep = rc.select(layer, targets[layer], keys)
+            keys, values = (torch.tensor([[vector(layer, h, p) for p in row] for h, row in enumerate(order.tolist())])
+                            for vector in (key_vector, value_vector))
+            keep = rc.select(layer, targets[layer], keys, values)
             got = order.gather(1, keep)
             dead = rc._dead_after.get(layer)
             if allocation == "per_head":
                 ranked_heads = [naive_ranked(scorer, selection, g, layer, sorted(cached[layer][g]),
-                                             attention[layer], rc.num_compressions, BUDGET) for g in range(HKV)]
+                                             attention[layer], rc.num_compressions, BUDGET, queries=queries[layer],
+                                             logical_len=logical) for g in range(HKV)]
                 per_head_counts = plain_head_counts(ranked_heads, BUDGET, alpha=0.2)
             for h in range(HKV):
                 positions = sorted(cached[layer][h])
@@ -381,7 +469,7 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
                     protection = (PROMPT, DECODE_WINDOW) if trigger == "once_window" and logical > PROMPT else None
                     ranked = naive_ranked(scorer, selection, h, layer, positions, attention[layer],
                                           rc.num_compressions, targets[layer] - protected_len, protected_len,
-                                          protection)
+                                          protection, queries[layer], logical)
                     assert_top(set(got[h].tolist()), ranked, positions, targets[layer], (layer, h, logical))
                 cached[layer][h] = set(got[h].tolist())
             rc.keep_selected(layer, keep)
@@ -389,6 +477,8 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
                 del attention[layer][key]
             if scorer == "rkv":  # the next observation window starts afresh
                 attention[layer] = {}
+            if scorer in QUERY_SCORERS and trigger == "once":  # never read again
+                queries[layer] = []
         if per_head_counts is not None:
             assert max(per_head_counts) <= targets[-1]
         rc.finish_compaction()

@@ -22,6 +22,7 @@ from vllm_kvcompress.budgets import ALLOCATIONS
 from vllm_kvcompress.config import KVCompressConfig, KVCompressConfigError
 from vllm_kvcompress.plan import resolve_plan
 from vllm_kvcompress.scorers import SCORERS
+from vllm_kvcompress.scorers.expected_attention import QueryGeometry
 from vllm_kvcompress.selection import SELECTIONS
 from vllm_kvcompress.token_state import RequestTokens
 
@@ -40,7 +41,12 @@ def meta_state(scorer: str, allocation: str, selection: str) -> RequestTokens | 
         return None  # a refused composition
     plan = resolve_plan(config, PROMPT, LAYERS, 16)
     assert plan is not None
-    return RequestTokens(plan, LAYERS, HKV, HQ, device="meta")
+    return RequestTokens(plan, LAYERS, HKV, HQ, device="meta", geometry=META_ROPE)
+
+
+# Expected attention's RoPE tables, on the device like everything else.
+META_ROPE = QueryGeometry(cos_sin=lambda p: (torch.rand(len(p), DIM // 2, device="meta"),) * 2, max_position=4096,
+                          scale=DIM ** -0.5)
 
 
 COMPOSITIONS = [c for c in itertools.product(sorted(set(SCORERS) - {"keep_all"}), sorted(ALLOCATIONS),
@@ -52,9 +58,11 @@ def test_selection_runs_on_the_device_without_host_reads(scorer, allocation, sel
     state = meta_state(scorer, allocation, selection)
     assert state is not None
     state.append(torch.arange(PROMPT))  # step positions are host data
-    if state.scorer.observe.attends():
-        for layer in range(LAYERS):
+    for layer in range(LAYERS):
+        if state.scorer.observe.scores_attention():
             state.accumulate(layer, torch.rand(HQ, PROMPT, device="meta"))
+        elif state.scorer.observe.attends():  # expected attention: the queries themselves
+            state.observe_queries(layer, torch.rand(PROMPT, HQ, DIM, device="meta"))
     slots = list(state.plan.layer_budgets)
     if state.plan.budgets_after_prompt:
         layer_slots = state.layer_slots()
@@ -62,7 +70,7 @@ def test_selection_runs_on_the_device_without_host_reads(scorer, allocation, sel
         slots = [state.plan.budget] * LAYERS  # the scheduler's numbers: here any plausible ones
     keys = torch.empty(HKV, PROMPT, DIM, device="meta")
     for layer in range(LAYERS):
-        keep = state.select(layer, state.plan.protected_len + slots[layer], lambda: keys)
+        keep = state.select(layer, state.plan.protected_len + slots[layer], lambda: keys, lambda: keys)
         assert keep.device.type == "meta" and keep.shape[0] == HKV
         state.keep_selected(layer, keep)
     state.finish_compaction()

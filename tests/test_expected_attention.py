@@ -152,3 +152,49 @@ def test_expected_attention_chooses_other_tokens_than_snapkv(reference):
             for policy in ("expected_attention", "snapkv", "knorm")}
     assert not torch.equal(kept["expected_attention"].sort().values, kept["snapkv"].sort().values)
     assert not torch.equal(kept["expected_attention"].sort().values, kept["knorm"].sort().values)
+
+
+def test_geometry_refuses_what_it_cannot_turn_back():
+    """vLLM's own rotary embeddings: NeoX's table is read row by row (its
+    cos then sin halves); GPT-J's interleaved layout, a subclass with its own
+    forward (Phi-3's LongRoPE picks a table per batch), per-layer tables and a
+    layer without a rotary embedding are refused, each named."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from vllm_kvcompress.vllm_seam.worker.startup import query_geometry
+
+    class Attention(torch.nn.Module):
+        def __init__(self, name: str) -> None:
+            super().__init__()
+            self.layer_name = name
+
+    class Block(torch.nn.Module):  # a model's attention module: `attn` beside `rotary_emb`
+        def __init__(self, name: str, rope: torch.nn.Module | None) -> None:
+            super().__init__()
+            self.attn = Attention(name)
+            if rope is not None:
+                self.rotary_emb = rope
+
+    def geometry(*ropes):
+        model = torch.nn.ModuleList([Block(f"layer{i}", rope) for i, rope in enumerate(ropes)])
+        return query_geometry(model, [block.attn for block in model], [0.25] * len(ropes))
+
+    with set_current_vllm_config(VllmConfig()):
+        neox = RotaryEmbedding(16, 12, 256, 10000.0, True, torch.float32)
+        other_base = RotaryEmbedding(16, 12, 256, 500.0, True, torch.float32)
+        gptj = RotaryEmbedding(16, 16, 256, 10000.0, False, torch.float32)
+        def forward_native(self, *args, **kwargs):
+            return RotaryEmbedding.forward_native(self, *args, **kwargs)
+
+        own_forward = type("OwnForward", (RotaryEmbedding,), {"forward_native": forward_native})(
+            16, 16, 256, 10000.0, True, torch.float32)
+    found, why = geometry(neox, neox)
+    assert found is not None and why == "" and found.max_position == 256
+    cos, sin = found.cos_sin(torch.tensor([0, 7]))
+    want_cos, want_sin = _rope_tables(torch.tensor([0, 7]), 12)
+    torch.testing.assert_close((cos, sin), (want_cos, want_sin))
+    assert geometry(neox, other_base) == (None, "compressed layers with different rotary embeddings")
+    assert geometry(gptj)[1] == "GPT-J-style (interleaved) rotary embedding"
+    assert geometry(own_forward)[1] == "rotary embedding OwnForward (not a table indexed by position alone)"
+    assert geometry(neox, None)[1] == "no rotary embedding found beside layer layer1"

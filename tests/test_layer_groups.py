@@ -94,15 +94,18 @@ def test_budgets_from_attention_match_reference_and_are_kept(per_layer, referenc
 def test_new_compositions_match_reference_and_free_their_blocks(per_layer, reference):
     """Compositions no paper names: H2O's accumulated attention with AdaKV's
     per-head budgets (compressing once), TOVA's newest-query attention with
-    PyramidKV's layer budgets (rolling), and a streamed random baseline. Each
+    PyramidKV's layer budgets (rolling), a streamed random baseline, and
+    expected attention with PyramidKV's budgets and chunk selection. Each
     equals the reference decoder token for token, keeps the lengths the
     reference keeps per layer, and holds exactly the blocks those lengths need."""
-    prompts = random_prompts((300, 260, 240, 280), seed=59)
+    prompts = random_prompts((300, 260, 240, 280, 270), seed=59)
     configs = [
         {"policy": "h2o", "allocation": "per_head", "trigger": "once", "budget": 64, "alpha": 0.3},
         {"policy": "tova", "allocation": "pyramid", "budget": 80, "window": 8, "beta": 4, "interval": 16},
         {"policy": "keyformer", "allocation": "adaptive", "budget": 64, "window": 8},
         {"policy": "random", "trigger": "streamed", "prompt_chunk": 64, "budget": 48, "window": 4},
+        {"policy": "expected_attention", "allocation": "pyramid", "budget": 64, "selection": "chunk",
+         "chunk_length": 8},
     ]
     got = per_layer.generate(prompts, NEW_TOKENS, configs)
     finished = {r["prefill_len"]: r for r in per_layer.stats()["requests"].values() if r["finished"]}
@@ -121,6 +124,7 @@ def test_new_compositions_match_reference_and_free_their_blocks(per_layer, refer
         assert stats["blocks_held"] == sum(cdiv(n + cached_since, BLOCK_SIZE) for n in last), config
     assert sum(wants["h2o"]["dead_slots"]) > 0  # heads really kept unequal counts
     assert len(set(wants["tova"]["compressed_lengths"][-1])) == NUM_LAYERS  # a pyramid: each layer its own length
+    assert len(set(wants["expected_attention"]["compressed_lengths"][-1])) == NUM_LAYERS
     assert len(wants["tova"]["compressed_lengths"]) > 1  # and rolling
     assert len(wants["random"]["compressed_at"]) > 1 and wants["random"]["compressed_at"][0] < len(prompts[3])
     assert per_layer.stats()["free_blocks"] == per_layer.stats()["total_blocks"]

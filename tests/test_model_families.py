@@ -334,16 +334,19 @@ def test_gemma4_every_policy_matches_the_reference(gemma4):
 def test_the_transformers_reference_equals_the_written_out_one(tiny_model):
     """kvc_tools/hf_reference.py against reference_decoder.py on the tiny
     Llama: the same tokens and kept positions for a prompt-time, a decode-time,
-    a per-head and a streaming policy (transformers' model code and cache
-    against the written-out forward and dense caches; both attend through
-    reference_decoder.dense_attention)."""
+    a per-head, a streaming and an expected-attention policy (transformers'
+    model code and cache against the written-out forward and dense caches;
+    both attend through reference_decoder.dense_attention; expected
+    attention's queries turned back from after transformers' RoPE against
+    taken before the written-out one's)."""
     from kvc_tools.hf_reference import HFAttentionReference
     from kvc_tools.reference_decoder import ReferenceDecoder
 
     written, through_hf = ReferenceDecoder(tiny_model), HFAttentionReference(tiny_model)
-    prompts = random_prompts([120, 133, 147, 160], seed=73)
+    prompts = random_prompts([120, 133, 147, 160, 150], seed=73)
     configs = [{"policy": "snapkv", "budget": 48, "window": 8}, {"policy": "h2o", "budget": 40},
-               {"policy": "adakv", "budget": 48}, {"policy": "streamingllm", "budget": 40, "prompt_chunk": 32}]
+               {"policy": "adakv", "budget": 48}, {"policy": "streamingllm", "budget": 40, "prompt_chunk": 32},
+               {"policy": "expected_attention", "budget": 48}]
     for prompt, config in zip(prompts, configs):
         cfg = KVCompressConfig.from_dict(config)
         want = written.generate(prompt, NEW_TOKENS, cfg, block_size=32)

@@ -161,7 +161,7 @@ class ObservesRecent(Observes):
 class ObservesQueries(Observes):
     # Every query up to the next compression, before RoPE, summed into its
     # moments (expected attention): no attention is computed for it.
-    value = "queries"
+    value = "pre-RoPE"
 
     def scores_attention(self) -> bool:
         return False
@@ -264,13 +264,15 @@ class Scorer(Component):
         """Why this scorer cannot serve with these parts and budget (None: it can)."""
         least = self.min_budget()
         per_head, merge = parts.allocation.name == "per_head", parts.merge.name != "none"
+        # Allocations valid instead of per_head ('adaptive' shares budgets by observed attention).
+        valid = ["pyramid", "uniform", "adaptive"] if self.observe.scores_attention() else ["pyramid", "uniform"]
         return first_problem(
             (per_head and self.same_for_every_head, "allocation",
              f"'per_head' gives KV heads different budgets by their scores; scorer {self.name!r} scores every "
              f"head of a layer alike (one selection per layer)"),
             (per_head and self.needs_keys, "allocation",
              f"'per_head' derives head budgets while the prompt is observed, and scorer {self.name!r} reads the "
-             f"cached keys only when it compresses; valid with it: ['pyramid', 'uniform', 'adaptive']"),
+             f"cached keys only when it compresses; valid with it: {valid}"),
             (merge and self.needs_keys, "merge",
              f"scorer {self.name!r} reads each layer's keys to select, and merge {parts.merge.name!r} selects once "
              f"per pair of layers; valid with it: scorers that read attention or positions (snapkv, h2o, tova, "

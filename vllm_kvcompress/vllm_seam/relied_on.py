@@ -59,6 +59,7 @@ _CPU = "vllm.v1.attention.backends.cpu_attn"
 _FA = "vllm.v1.attention.backends.flash_attn"
 _COORD = "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator"
 _ATTN = "vllm.model_executor.layers.attention.attention:Attention"
+_ROPE = "vllm.model_executor.layers.rotary_embedding.base:"
 
 _TABLE = f"""
 class | {_SCHED} | 0.32-0.34 | scheduler.KVCompressScheduler subclasses it
@@ -285,6 +286,7 @@ attribute | {_V1}.vllm_config | 0.32-0.33 | V1 runner: the config
 attribute | {_V1}.compilation_config | 0.32-0.33 | V1 runner: static_forward_context
 attribute | {_V1}.kv_cache_config | 0.32-0.33 | V1 runner: KV cache groups
 attribute | {_V1}.attn_groups | 0.32-0.33 | V1 runner: attention groups to attach to
+method | {_V1}.get_model | 0.32-0.33 | V1 runner: the model, for its rotary embeddings
 attribute | {_V1}.requests | 0.32-0.33 | V1 view: host block ids (CachedRequestState)
 attribute | {_V1}.input_batch | 0.32-0.33 | V1 view: the persistent batch
 attribute | {_V1}.positions | 0.32-0.33 | V1 view: logical positions
@@ -307,6 +309,7 @@ attribute | {_MRV2}.vllm_config | 0.32-0.34 | MRV2 runner: the config
 attribute | {_MRV2}.compilation_config | 0.32-0.34 | MRV2 runner: static_forward_context
 attribute | {_MRV2}.kv_cache_config | 0.32-0.34 | MRV2 runner: KV cache groups
 attribute | {_MRV2}.attn_groups | 0.32-0.34 | MRV2 runner: attention groups to attach to
+method | {_MRV2}.get_model | 0.32-0.34 | MRV2 runner: the model, for its rotary embeddings
 attribute | {_MRV2}.block_tables | 0.32-0.34 | MRV2 view: BlockTables
 attribute | {_MRV2}.req_states | 0.32-0.34 | MRV2 view: request state rows
 attribute | {_MRV2}.kernel_block_sizes | 0.32-0.34 | MRV2 view: kernel block size per group
@@ -333,6 +336,16 @@ method | vllm.v1.worker.gpu.block_table:BlockTables.compute_slot_mappings | 0.32
     | MRV2 draft: (idx_mapping, query_start_loc, positions, ...) -> [groups, tokens], made physical
 attribute | vllm.v1.worker.gpu.block_table:BlockTables.input_block_tables | 0.32-0.33
     | MRV2 draft: the step's gathered rows, for its physical slots
+class | {_ROPE}RotaryEmbedding | 0.32-0.34 | expected attention: a table indexed by position (startup.query_geometry)
+attribute | {_ROPE}RotaryEmbeddingBase.cos_sin_cache | 0.32-0.34
+    | expected attention: [max position, rotary_dim] cos then sin, the queries turned back with it
+attribute | {_ROPE}RotaryEmbeddingBase.is_neox_style | 0.32-0.34 | expected attention: NeoX's layout only
+attribute | {_ROPE}RotaryEmbeddingBase.rotary_dim | 0.32-0.34 | expected attention: partial RoPE
+attribute | vllm.model_executor.layers.rotary_embedding.linear_scaling_rope:LinearScalingRotaryEmbedding.scaling_factors
+    | 0.32-0.34 | expected attention: one factor only
+attribute | vllm.model_executor.models.llama:LlamaAttention.rotary_emb | 0.32-0.34
+    | expected attention: a layer's RoPE beside its `attn` (the same names in every model served)
+attribute | vllm.model_executor.models.llama:LlamaAttention.attn | 0.32-0.34 | expected attention: see rotary_emb
 """
 
 

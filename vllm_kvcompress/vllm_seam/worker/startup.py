@@ -136,7 +136,8 @@ def query_geometry(model, layers, scales: list[float]) -> tuple[QueryGeometry | 
     layout, multimodal and long/short (Phi-3 LongRoPE) tables, per-layer tables."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    rotary_of = {module.attn.layer_name: module.rotary_emb for module in model.modules()
+    # torch's Module.modules, called on the model (not an attribute of vLLM's).
+    rotary_of = {module.attn.layer_name: module.rotary_emb for module in torch.nn.Module.modules(model)
                  if isinstance(getattr(module, "rotary_emb", None), torch.nn.Module)
                  and hasattr(getattr(module, "attn", None), "layer_name")}
     rotaries = [rotary_of.get(layer.layer_name) for layer in layers]
