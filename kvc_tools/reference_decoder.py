@@ -228,6 +228,7 @@ class ReferenceDecoder:
     def generate(
         self, prompt: list[int], max_new_tokens: int, config: KVCompressConfig | None = None,
         block_size: int = 32, kv_cache_dtype: str = "auto", forced: list[int] | None = None,
+        resume: dict | None = None,
     ) -> dict:
         """Greedy tokens with the config's compression applied on the schedule's points (schedule.py),
         keys and values cached as vLLM caches them at `kv_cache_dtype` (auto, or an fp8 format).
@@ -237,6 +238,12 @@ class ReferenceDecoder:
         how far its logit falls below the best one here (0 where it is the
         greedy token). A 16-bit model's two decoders part at near ties; forced,
         every token of the other is checked, not only those before they part.
+
+        `resume`: an earlier `generate`'s result ("resume" in it): this prompt
+        begins with that request's prompt and outputs (but the last, whose KV
+        was never computed), and continues from its compressed cache and
+        state as they were at its end (a conversation's next turn with
+        `reuse`), computing only the tokens after them.
 
         Returns tokens, the kept logical positions per compressed layer at the end, the
         physical cache length after every compression and the logical length
@@ -277,6 +284,17 @@ class ReferenceDecoder:
         # The prompt in the chunks the schedule allows (one chunk unless the
         # trigger streams the prompt), each preceded by any eviction due.
         logical = 0
+        if resume is not None:
+            saved = resume["resume"]
+            history = saved["history"]
+            if len(history) >= len(prompt) or prompt[: len(history)] != history:
+                raise ValueError("reference decoder: the prompt does not continue the resumed request")
+            if state is None or saved["state"] is None:
+                raise ValueError("reference decoder: resuming needs compression on both requests")
+            cache = list(saved["cache"])
+            plan.start_from(saved["num_evicted"])
+            state.continue_from(saved["state"])
+            logical = len(history)
         while logical < len(prompt):
             compress_if_due(logical)
             cap = plan.tokens_until_due(logical)
@@ -309,8 +327,11 @@ class ReferenceDecoder:
         kept = [state.positions(i) for i in range(num_compressed)] if state else None
         # Per-head budgets: per layer, the kept slots some head does not attend.
         dead = [0 if d is None else int(d.sum()) for d in state.dead] if state else None
+        history = prompt + tokens[:-1]  # the tokens whose KV is cached
         return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths,
-                "compressed_at": compressed_at, "dead_slots": dead, "margins": margins, "deficits": deficits}
+                "compressed_at": compressed_at, "dead_slots": dead, "margins": margins, "deficits": deficits,
+                "resume": {"history": history, "cache": list(cache), "state": state,
+                           "num_evicted": tuple(plan.num_evicted)}}
 
 
 def gather_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,10 @@ class RequestStats:
     # When the cache was released: blocks per vLLM KV cache group, compressed
     # or not (a hybrid model's sliding-window groups too).
     blocks_held_per_group: tuple[int, ...] = ()
+    # Tokens taken from a saved compressed state (an earlier turn's): never computed.
+    tokens_reused: int = 0
+    # Its compressed state was kept for a later request (`reuse`).
+    saved: bool = False
 
 
 @dataclass
@@ -53,9 +57,24 @@ class CompressionStats:
     compressions: int = 0
     requests_compressed: int = 0
     preemptions: int = 0
+    # `reuse`: compressed states kept, and requests and tokens that started from one.
+    states_saved: int = 0
+    states_reused: int = 0
+    tokens_reused: int = 0
 
     def start(self, request_id: str, prefill_len: int, policy: str) -> None:
         self.requests[request_id] = RequestStats(policy=policy, prefill_len=prefill_len)
+
+    def reused(self, request_id: str, tokens: int) -> None:
+        """The request starts from a saved compressed state of `tokens` tokens."""
+        self.requests[request_id].tokens_reused = tokens
+        self.states_reused += 1
+        self.tokens_reused += tokens
+
+    def saved(self, request: RequestStats) -> None:
+        """A finished request's compressed state is kept for later requests."""
+        request.saved = True
+        self.states_saved += 1
 
     def compressed(self, request_id: str, old: tuple[int, ...], new: tuple[int, ...], blocks_freed: int,
                    blocks_held: int) -> None:
@@ -105,6 +124,9 @@ class CompressionStats:
             "compressions": self.compressions,
             "requests_compressed": self.requests_compressed,
             "preemptions": self.preemptions,
+            "states_saved": self.states_saved,
+            "states_reused": self.states_reused,
+            "tokens_reused": self.tokens_reused,
         }
         if per_request:
             out["requests"] = {k: {**asdict(v), "bytes_held": v.blocks_held * self.block_bytes}

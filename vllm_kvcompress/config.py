@@ -33,13 +33,13 @@ from .triggers import TRIGGERS
 
 CONFIG_KEY = "kv_compress"  # key inside vLLM's additional_config / extra_args
 COMMON_FIELDS = ("policy", "allocation", "trigger", "selection", "merge", "budget", "compression_ratio", "interval",
-                 "protect_prefix", "layer_groups", "reserve_growth")
+                 "protect_prefix", "layer_groups", "reserve_growth", "reuse")
 COMPONENT_FIELDS = ("allocation", "trigger", "selection", "merge")  # replace the policy's own component
 ENGINE_FIELDS = ("layer_groups", "reserve_growth")  # fixed at startup: a request cannot change them
 # Common fields other than `policy`, with their types (None when not given).
 _OPTIONAL_FIELDS: dict[str, type] = {"allocation": str, "trigger": str, "selection": str, "merge": str, "budget": int,
                                      "compression_ratio": float, "interval": int, "protect_prefix": int,
-                                     "layer_groups": int, "reserve_growth": int}
+                                     "layer_groups": int, "reserve_growth": int, "reuse": bool}
 # The common integer fields' ranges (component fields declare theirs in their metadata).
 _BOUNDS = {"budget": Bound(1, "tokens"), "interval": Bound(1, "tokens"), "protect_prefix": Bound(0, "tokens"),
            "layer_groups": Bound(1, "layers"), "reserve_growth": Bound(0, "tokens")}
@@ -152,6 +152,12 @@ class KVCompressConfig:
     # this many tokens of each compressed request's future growth (None: up
     # to its max_tokens; 0: off, vLLM's admission on the compressed prompt).
     reserve_growth: int | None = None
+    # A finished request's compressed state stays in the prefix cache, and a
+    # later request whose prompt begins with its prompt and outputs (the next
+    # turn of a conversation, another question on a document) with the same
+    # settings starts from it instead of computing them again
+    # (vllm_seam/saved_states.py). Needs prefix caching. None: off.
+    reuse: bool | None = None
     # The components' own parameters, validated against their dataclass fields.
     params: Mapping[str, Any] = field(default_factory=dict)
 

@@ -98,6 +98,12 @@ class RequestSchedule:
         self.budgets_pending = False
         self._changed()
 
+    def start_from(self, num_evicted: tuple[int, ...]) -> None:
+        """The request starts from a saved compressed state (`reuse`): its first
+        tokens' KV is there already, this many fewer per group than tokens."""
+        self.num_evicted = list(num_evicted)
+        self._changed()
+
     def physical(self, logical_len: int) -> tuple[int, ...]:
         return tuple(logical_len - e for e in self.num_evicted)
 

@@ -21,6 +21,9 @@ class StartedRequest:
 
     request_id: str
     plan: CompressionPlan | None  # None: compression off for this request
+    # It starts from this saved compressed state (`StepPlan.saved`), its
+    # tokens' KV already in its first blocks (None: from nothing).
+    restored: str | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,11 @@ class StepPlan:
     # Some scheduled request has a plan: the workers may run compression code
     # (and, under tensor parallelism, gather their failures at the step's end).
     compressing: bool = False
+    # `reuse`: finished requests whose compression state the workers keep
+    # under a key (request id -> key), and kept states no longer in the
+    # cache (their blocks were reused): the workers drop them.
+    saved: dict[str, str] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

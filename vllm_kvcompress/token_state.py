@@ -130,6 +130,22 @@ class RequestTokens:
         self.needs_attention = self.scorer.observe.attends() and (plan.trigger.repeats() or plan.compresses_prompt)
         self._span_of: tuple[int | None, tuple[int, int] | None] | None = None  # (next_due, its span), cached
 
+    def continue_from(self, saved: RequestTokens) -> None:
+        """Start where `saved` (a finished request's state, kept for `reuse`)
+        ended: the same cached tokens at the same positions, with what was
+        observed of them. `saved` stays as it is for other requests (what a
+        step changes in place is copied)."""
+        if saved.merged or self.lower_of:
+            raise RuntimeError("kv_compress: a state with merged layers cannot be continued")
+        self.logical_len, self._tail_start, self._tail_len = saved.logical_len, saved._tail_start, saved._tail_len
+        self._kept = list(saved._kept)  # replaced, never written in place
+        self.attention = [None if a is None else a.clone() for a in saved.attention]
+        self.moments = [None if m is None else QueryMoments(m.count, m.total.clone(),
+                                                            None if m.outer is None else m.outer.clone())
+                        for m in saved.moments]
+        self.dead, self._num_dead = list(saved.dead), saved._num_dead
+        self.num_compressions = saved.num_compressions
+
     # ------------------------------------------------------------ observing
 
     def observed(self, q_positions: torch.Tensor, one_at_a_time: bool = False) -> torch.Tensor:

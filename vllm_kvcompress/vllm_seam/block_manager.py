@@ -111,12 +111,24 @@ class CompressedAttentionManager(FullAttentionManager):
         # inline (a helper's frame here is a measurable share of a step).
         evicted = self.num_evicted.get(request_id, 0)
         num_tokens, num_tokens_main_model = num_tokens - evicted, num_tokens_main_model - evicted
+        if evicted and new_computed_blocks:  # it starts from a saved state: its hit is physical too
+            total_computed_tokens, num_local_computed_tokens = (total_computed_tokens - evicted,
+                                                                num_local_computed_tokens - evicted)
         cap = self.max_tokens.get(request_id) if apply_admission_cap else None
         if cap is not None:
             num_tokens, num_tokens_main_model = min(num_tokens, cap), min(num_tokens_main_model, cap)
         return _vllm_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens,
                                         num_local_computed_tokens, num_tokens_main_model, apply_admission_cap,
                                         prefill_end)
+
+    def add_local_computed_blocks(self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock],
+                                  num_local_computed_tokens: int, num_external_computed_tokens: int) -> None:
+        # A request starting from a saved compressed state (`reuse`): its hit
+        # is the state's blocks, physical; a partly filled last one is copied
+        # by vLLM before the request writes into it (its partial-hit copy on write).
+        evicted = self.num_evicted.get(request_id, 0)
+        super().add_local_computed_blocks(request_id, new_computed_blocks, num_local_computed_tokens - evicted,
+                                          num_external_computed_tokens)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[KVCacheBlock]:
         # Never capped: vLLM allocates only for the tokens it schedules, and a

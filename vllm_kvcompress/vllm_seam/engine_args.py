@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..budgets import ALLOCATIONS
@@ -32,8 +32,16 @@ logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
 GROUP = "KVCompress"
 
+def boolean(text: str) -> bool:
+    """A flag's true or false."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise ValueError(f"expected true or false, got {text!r}")
+    return value
+
+
 # CLI flag suffix / keyword suffix -> config field.
-_COMMON_OPTIONS = {
+_COMMON_OPTIONS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     "allocation": ("allocation", str, f"how the budget is spread over layers and KV heads, one of "
                    f"{sorted(ALLOCATIONS)} (default: the policy's own; pyramid, adaptive and retrieval need layer "
                    f"groups)"),
@@ -56,6 +64,9 @@ _COMMON_OPTIONS = {
     "reserve-growth": ("reserve_growth", int, "admission of a compressed request reserves this many tokens of each "
                        "running compressed request's growth (default: all, up to its max_tokens; 0: vLLM's admission "
                        "on the compressed prompt alone; set it when max_tokens is far above what requests generate)"),
+    "reuse": ("reuse", boolean, "a finished request's compressed state stays in the prefix cache for a later request "
+              "whose prompt begins with its prompt and outputs under the same settings (a conversation's next "
+              "turn), which then computes only its new tokens; needs prefix caching (default: false)"),
 }
 
 
@@ -75,7 +86,7 @@ def _param_options() -> dict[str, tuple[str, type, str]]:
     return out
 
 
-def options() -> dict[str, tuple[str, type, str]]:
+def options() -> dict[str, tuple[str, Callable[[str], Any], str]]:
     """flag suffix -> (config field, type, help) for every --kv-compress-* flag."""
     return {**_COMMON_OPTIONS, **_param_options()}
 

@@ -101,11 +101,16 @@ attribute | vllm.v1.request:Request.request_id | 0.32-0.34 | read by the schedul
 attribute | vllm.v1.request:Request.sampling_params | 0.32-0.34 | per-request overrides (extra_args)
 attribute | vllm.v1.request:Request.num_prompt_tokens | 0.32-0.34 | the plan's prompt length
 attribute | vllm.v1.request:Request.num_computed_tokens | 0.32-0.34 | next compression point
-attribute | vllm.v1.request:Request.block_hashes | 0.32-0.34 | a capped prefix hit (0.32)
+attribute | vllm.v1.request:Request.block_hashes | 0.32-0.34 | a capped prefix hit (0.32); reuse: states found by them
+attribute | vllm.v1.request:Request.all_token_ids | 0.32-0.34 | reuse: a state's history, a prompt's beginning
 attribute | vllm.v1.request:Request.client_index | 0.32-0.34 | a failed request's error output
 method | vllm.v1.request:Request.is_finished | 0.32-0.34 | preempted or finished
 class | vllm.v1.request:RequestStatus | 0.32-0.34 | imported by scheduler.py
 attribute | vllm.v1.request:RequestStatus.FINISHED_ERROR | 0.32-0.34 | failed requests
+attribute | vllm.v1.request:RequestStatus.FINISHED_STOPPED | 0.32-0.34 | reuse: a completed request's state is kept
+attribute | vllm.v1.request:RequestStatus.FINISHED_LENGTH_CAPPED | 0.32-0.34 | reuse: as FINISHED_STOPPED
+attribute | {_SCHED}.cache_config | 0.32-0.34 | reuse: prefix caching on
+attribute | vllm.config.cache:CacheConfig.enable_prefix_caching | 0.32-0.34 | reuse needs it
 class | vllm.v1.engine:EngineCoreOutput | 0.32-0.34 | imported by scheduler.py: a failed request's output
 attribute | vllm.v1.engine:EngineCoreOutput.request_id | 0.32-0.34 | constructed by keyword
 attribute | vllm.v1.engine:EngineCoreOutput.new_token_ids | 0.32-0.34 | constructed by keyword
@@ -149,6 +154,12 @@ method | vllm.v1.core.block_pool:BlockPool.get_num_free_blocks | 0.32-0.34 | cop
 method | vllm.v1.core.block_pool:BlockPool.get_new_blocks | 0.32-0.34 | copy-on-write blocks
 method | vllm.v1.core.block_pool:BlockPool.free_blocks | 0.32-0.34 | evicted tails
 attribute | vllm.v1.core.block_pool:BlockPool.num_gpu_blocks | 0.32-0.34 | stats total
+method | vllm.v1.core.block_pool:BlockPool._insert_block_hash | 0.32-0.34
+    | reuse: a saved state's blocks get keys of their own (vLLM's own hash kept; an offload manager calls it too)
+method | vllm.v1.core.block_pool:BlockPool.touch | 0.32-0.34 | reuse: a request holds its saved state's blocks
+attribute | vllm.v1.core.block_pool:BlockPool.cached_block_hash_to_block | 0.32-0.34 | reuse: blocks still named
+method | vllm.v1.core.block_pool:BlockHashToBlockMap.contain | 0.32-0.34 | reuse: a block still carries its key
+function | vllm.v1.core.kv_cache_utils:make_block_hash_with_group_id | 0.32-0.34 | reuse: a block's key in its group
 class | vllm.v1.core.kv_cache_utils:KVCacheBlock | 0.32-0.34 | imported by block_manager.py
 attribute | vllm.v1.core.kv_cache_utils:KVCacheBlock.block_id | 0.32-0.34 | BlockCopy ids
 attribute | vllm.v1.core.kv_cache_utils:KVCacheBlock.ref_cnt | 0.32-0.34 | shared block check
@@ -158,6 +169,7 @@ method | {_MGR}.get_num_blocks_to_allocate | 0.32-0.34 | overridden with explici
 method | {_MGR}.allocate_new_blocks | 0.32-0.34 | overridden with explicit parameters
 method | {_MGR}.cache_blocks | 0.32-0.34 | overridden: (request, num_tokens, *args)
 method | {_MGR}.pop_blocks_for_free | 0.32-0.34 | overridden
+method | {_MGR}.add_local_computed_blocks | 0.32-0.34 | overridden: a hit on a saved state counts physical tokens
 attribute | {_MGR}.req_to_blocks | 0.32-0.34 | a request's blocks, cut in place
 attribute | {_MGR}.block_size | 0.32-0.34 | blocks of a length
 attribute | {_MGR}.block_pool | 0.32-0.34 | frees, new blocks

@@ -31,14 +31,17 @@ from ..accounting import CompressionStats
 from ..admission import GrowthForecast, Outlook
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..plan import resolve_plan
-from ..schedule import RequestSchedule
+from ..schedule import RequestSchedule, cdiv
 from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, log_failure, report_of
 from .block_manager import CompressedAttentionManager
 from .groups import CompressedLayers
 from .metrics import RatioHistogram, SnapshotWriter
+from .saved_states import SavedState, SavedStates
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 _RUNNING = RequestStatus.RUNNING  # read per request per step
+# A request that ends so has a complete state worth keeping (`reuse`).
+_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 
@@ -133,6 +136,22 @@ class KVCompressScheduler(Scheduler):
                     f"kv_compress: KV cache group {group} is managed by {type(manager).__name__} "
                     f"(spec {type(groups[group].kv_cache_spec).__name__}), not CompressedAttentionManager"
                 )
+        # `reuse`: finished requests' compressed states kept in the prefix
+        # cache for later requests (saved_states.py), where vLLM caches
+        # prefixes and every KV cache group compresses.
+        self._kvc_saved = SavedStates(self.kv_cache_manager.block_pool, self.kvc_block_size,
+                                      self.kvc_layers.vllm_groups) \
+            if self.cache_config.enable_prefix_caching and not self._kvc_hybrid else None
+        self._kvc_fingerprint: dict[str, str] = {}  # requests with reuse: their settings, as states are keyed
+        self._kvc_attaching: dict[str, SavedState] = {}  # this step's hits on a saved state, not yet scheduled
+        # Requests with reuse once started: the state they started from (None:
+        # none). A preempted one resumes from that one again, or from nothing.
+        self._kvc_began: dict[str, str | None] = {}
+        # The blocks of its state a request that started from one holds until
+        # it ends (preempted too: it resumes from the same state).
+        self._kvc_pins: dict[str, list] = {}
+        self._kvc_saved_now: dict[str, str] = {}  # for the next step's plan (StepPlan.saved)
+        self._kvc_dropped: list[str] = []
         logger.info("kv_compress scheduler ready (pid %d): %s, block %d, compressing %d of %d KV cache group(s)",
                     os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size, len(self._kvc_managers),
                     len(groups))
@@ -170,6 +189,8 @@ class KVCompressScheduler(Scheduler):
                     plan = None
             state = RequestSchedule.create(plan, self.kvc_group_of_layer)
             self.kvc_states[request.request_id] = state
+            if config.reuse and plan is not None and plan.merge.name == "none" and self._kvc_saved is not None:
+                self._kvc_fingerprint[rid] = repr(sorted(config.to_dict().items()))
             most = self._kvc_forecast.most_blocks(self._final_len(request))
             self._kvc_most_total += most - self._kvc_most.get(rid, 0)
             self._kvc_most[rid] = most
@@ -272,6 +293,7 @@ class KVCompressScheduler(Scheduler):
             output = super().schedule(*args, **kwargs)
         finally:
             self._kvc_held_back.clear()
+        restored = self._take_saved_state_hits(output.num_scheduled_tokens)
         # Scheduled without vLLM asking `_reserve_prefill_lookahead` (none
         # known on 0.32-0.34): their lengths moved unseen, so they are looked at.
         self._kvc_may_be_due.update(output.num_scheduled_tokens.keys() - self._kvc_sized)
@@ -286,12 +308,18 @@ class KVCompressScheduler(Scheduler):
         self._kvc_started.clear()
         # The workers keep each request's evicted counts: only this step's compactions change them.
         evicted = {op.request_id: tuple(self.kvc_states[op.request_id].num_evicted) for op in ops}
+        evicted.update(restored)
+        saved, self._kvc_saved_now = self._kvc_saved_now, {}
+        dropped, self._kvc_dropped = self._kvc_dropped, []
+        if self._kvc_saved is not None:
+            dropped += self._kvc_saved.sweep({key for key, _ in self._kvc_pins.values()}, most=8)
         scheduled = output.num_scheduled_tokens
         planned = self._kvc_planned
         self._kvc_speculated = {rid for rid in output.scheduled_spec_decode_tokens if rid in planned}
         attach_step_plan(output, StepPlan(started=started, compactions=ops, evicted=evicted,
                                           next_due=self._next_due_changes(scheduled), settled=settled,
-                                          compressing=not planned.isdisjoint(scheduled)))
+                                          compressing=not planned.isdisjoint(scheduled), saved=saved,
+                                          dropped=dropped))
         if ops:
             self._write_snapshot()
         return output
@@ -355,7 +383,13 @@ class KVCompressScheduler(Scheduler):
         return outputs
 
     def _get_local_prefix_cache_hit(self, request, *args, **kwargs):
-        cap = self._request_state(request).longest_prefix_hit()
+        state = self._request_state(request)
+        if request.request_id in self._kvc_fingerprint:
+            limit = args[0] if args else kwargs.get("max_cache_hit_length")
+            hit = self._saved_state_hit(request, state, limit)
+            if hit is not None:
+                return hit
+        cap = state.longest_prefix_hit()
         if args or "max_cache_hit_length" in kwargs:
             # vLLM 0.33+: the hit's cap is vLLM's own parameter; ours joins it.
             limit = kwargs.pop("max_cache_hit_length", None) if not args else args[0]
@@ -370,6 +404,102 @@ class KVCompressScheduler(Scheduler):
         blocks, num_tokens, num_uncached = manager.coordinator.find_longest_cache_hit(request.block_hashes, cap)
         return manager.create_kv_cache_blocks(blocks), num_tokens, num_tokens + num_uncached if num_uncached else 0, \
             False
+
+    # ------------------------------------------------------------ reuse
+
+    def _saved_state_hit(self, request, state: RequestSchedule, limit: int | None):
+        """The prefix-cache hit of a request with `reuse` on a saved state (None:
+        none): the state's blocks per KV cache group and its logical length,
+        as vLLM's own hit; the request's lengths become physical from there."""
+        rid = request.request_id
+        assert self._kvc_saved is not None and state.plan is not None
+        self._kvc_attaching.pop(rid, None)
+        if rid in self._kvc_began:  # resumed after a preemption: as in its first life
+            key = self._kvc_began[rid]
+            found = None if key is None else self._kvc_saved.get(key)
+        else:
+            found = self._kvc_saved.find(self._kvc_fingerprint[rid], request.all_token_ids, request.block_hashes,
+                                         state.plan.protected_len, self._kvc_dropped)
+        if found is not None and limit is not None and found.length > limit:
+            found = None
+        if found is None:
+            self._detach(rid, state)
+            return None
+        evicted = found.num_evicted()
+        state.start_from(evicted)
+        for manager, e in zip(self._kvc_managers, evicted):
+            manager.num_evicted[rid] = e
+            manager.cacheable[rid] = 0  # its blocks hold compressed tokens: never vLLM's to cache
+        self._kvc_attaching[rid] = found
+        self._kvc_started[rid] = StartedRequest(rid, state.plan, restored=found.key)
+        return self.kv_cache_manager.create_kv_cache_blocks(found.blocks), found.length, 0, False
+
+    def _detach(self, rid: str, state: RequestSchedule) -> None:
+        """A request found no saved state (or vLLM did not schedule it on one):
+        it starts from nothing."""
+        if not any(state.num_evicted):
+            return
+        state.start_from((0,) * len(state.num_evicted))
+        for manager in self._kvc_managers:
+            manager.num_evicted.pop(rid, None)
+            manager.cacheable.pop(rid, None)
+        self._kvc_started[rid] = StartedRequest(rid, state.plan)
+
+    def _take_saved_state_hits(self, scheduled: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        """After vLLM scheduled the step: requests it started on a saved state
+        hold that state's blocks until they end (evicted per group returned,
+        for the workers); the others start from nothing after all."""
+        attaching, self._kvc_attaching = self._kvc_attaching, {}
+        restored = {}
+        for rid, found in attaching.items():
+            state = self.kvc_states.get(rid)
+            if state is None:
+                continue
+            if rid not in scheduled:
+                self._detach(rid, state)
+                continue
+            restored[rid] = found.num_evicted()
+            if rid not in self._kvc_pins:
+                blocks = found.all_blocks()
+                self.kv_cache_manager.block_pool.touch(blocks)
+                self._kvc_pins[rid] = [found.key, blocks]
+                self.kvc_stats.reused(rid, found.length)
+        for rid in self._kvc_fingerprint.keys() & scheduled.keys() - self._kvc_began.keys():
+            self._kvc_began[rid] = attaching[rid].key if rid in attaching else None
+        return restored
+
+    def _save_state(self, request) -> None:
+        """A finishing request with `reuse`: its compressed state stays (its
+        blocks named in the pool before they are freed)."""
+        rid = request.request_id
+        state = self.kvc_states.get(rid)
+        assert self._kvc_saved is not None
+        if state is None or state.plan is None or not (state.num_compressions or self._kvc_began.get(rid)):
+            return  # nothing compressed: vLLM's own prefix cache keeps what it can of it
+        length, bs = request.num_computed_tokens, self.kvc_block_size
+        anchor = length // bs
+        if anchor == 0 or len(request.block_hashes) < anchor:
+            return
+        physical = state.physical(length)
+        blocks = [manager.req_to_blocks.get(rid, [])[: cdiv(p, bs)] for manager, p in zip(self._kvc_managers, physical)]
+        if any(len(b) != cdiv(p, bs) for b, p in zip(blocks, physical)):
+            return
+        saved = self._kvc_saved.save(self._kvc_fingerprint[rid], request.all_token_ids[:length],
+                                     request.block_hashes[anchor - 1], physical, state.plan.protected_len, blocks)
+        if saved is not None:
+            self._kvc_saved_now[rid] = saved.key
+            stats = self.kvc_stats.requests.get(rid)
+            if stats is not None:
+                self.kvc_stats.saved(stats)
+
+    def _end_reuse(self, request) -> None:
+        """A request ended (not preempted): its hold on a saved state goes."""
+        rid = request.request_id
+        self._kvc_fingerprint.pop(rid, None)
+        self._kvc_began.pop(rid, None)
+        pin = self._kvc_pins.pop(rid, None)
+        if pin is not None:
+            self.kv_cache_manager.block_pool.free_blocks(reversed(pin[1]))
 
     def _reserve_prefill_lookahead(self, request, num_computed_tokens: int, num_new_tokens: int) -> int:
         # vLLM's last word on a request's chunk (running and waiting alike): a
@@ -479,7 +609,11 @@ class KVCompressScheduler(Scheduler):
         # Every group's blocks (a sliding-window group's dropped ones are the null block).
         held = tuple(sum(not b.is_null for b in m.req_to_blocks.get(request.request_id, ()))
                      for m in self._kvc_all_managers)
+        if request.request_id in self._kvc_fingerprint and request.status in _COMPLETED:
+            self._save_state(request)
         super()._free_request_blocks(request)
+        if request.is_finished():
+            self._end_reuse(request)
         self._kvc_forecast.retire(request.request_id)
         self._kvc_forecast_follows, self._kvc_forecast_last = -1, None
         self.kvc_states.pop(request.request_id, None)

@@ -136,10 +136,11 @@ def query_geometry(model, layers, scales: list[float]) -> tuple[QueryGeometry | 
     layout, multimodal and long/short (Phi-3 LongRoPE) tables, per-layer tables."""
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    # torch's Module.modules, called on the model (not an attribute of vLLM's).
-    rotary_of = {module.attn.layer_name: module.rotary_emb for module in torch.nn.Module.modules(model)
-                 if isinstance(getattr(module, "rotary_emb", None), torch.nn.Module)
-                 and hasattr(getattr(module, "attn", None), "layer_name")}
+    rotary_of: dict[str, torch.nn.Module] = {}
+    for module in torch.nn.Module.modules(model):  # torch's, called on the model (not an attribute of vLLM's)
+        rotary, name = getattr(module, "rotary_emb", None), getattr(getattr(module, "attn", None), "layer_name", None)
+        if isinstance(rotary, torch.nn.Module) and name is not None:
+            rotary_of[name] = rotary
     rotaries = [rotary_of.get(layer.layer_name) for layer in layers]
     missing = [layer.layer_name for layer, r in zip(layers, rotaries) if r is None]
     if missing:
@@ -153,8 +154,8 @@ def query_geometry(model, layers, scales: list[float]) -> tuple[QueryGeometry | 
         return None, "GPT-J-style (interleaved) rotary embedding"
     if len(getattr(rotary, "scaling_factors", ())) > 1:
         return None, f"{kind.__name__} with several scaling factors"
-    if any(r is not rotary and not torch.equal(r.cos_sin_cache, rotary.cos_sin_cache)
-           for r in (rotary_of[layer.layer_name] for layer in layers)):
+    tables = [getattr(rotary_of[layer.layer_name], "cos_sin_cache", None) for layer in layers]
+    if any(not isinstance(t, torch.Tensor) or not torch.equal(t, rotary.cos_sin_cache) for t in tables):
         return None, "compressed layers with different rotary embeddings"
     if len(set(scales)) != 1:
         return None, f"compressed layers with different attention scales {sorted(set(scales))}"

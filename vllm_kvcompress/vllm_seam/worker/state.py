@@ -162,6 +162,9 @@ class WorkerCompression:
         self.device = first.kv_cache.device
         self.ops = get_ops(self.device.type)
         self.states: dict[str, RequestTokens] = {}
+        # `reuse`: finished requests' token states, kept while the scheduler
+        # keeps their compressed KV (StepPlan.saved and .dropped).
+        self.saved: dict[str, RequestTokens] = {}
         self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group, of the requests that evicted
         self._evicted_rows: tuple[list[str], np.ndarray] | None = None  # `evicted_rows`, kept
         # Per-layer budgets decided from this step's attention, for the scheduler.
@@ -225,6 +228,12 @@ class WorkerCompression:
         self.runner.begin_step(so)
         plan = step_plan_of(so)
         preempted = getattr(so, "preempted_req_ids", None) or ()
+        for rid, key in plan.saved.items():  # before the finished requests' states go
+            state = self.states.get(rid)
+            if state is not None:
+                self.saved[key] = state
+        for key in plan.dropped:
+            self.saved.pop(key, None)
         for rid in (*so.finished_req_ids, *preempted):
             self.states.pop(rid, None)
             self.evicted.pop(rid, None)
@@ -239,9 +248,14 @@ class WorkerCompression:
                     scorer = started.plan.scorer
                     if self.geometry is None and _observes_queries(scorer):
                         raise RuntimeError(f"scorer {scorer.name!r} cannot serve this model: {self.no_geometry}")
-                    self.states[started.request_id] = RequestTokens(
-                        started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads, self.shard, self.device,
-                        self.geometry)
+                    tokens = RequestTokens(started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads,
+                                           self.shard, self.device, self.geometry)
+                    if started.restored is not None:  # it starts from a saved state (`reuse`)
+                        saved = self.saved.get(started.restored)
+                        if saved is None:
+                            raise RuntimeError(f"kv_compress: no saved state {started.restored} on this worker")
+                        tokens.continue_from(saved)
+                    self.states[started.request_id] = tokens
         settle_requests(self, plan.settled)
         self.speculative = frozenset(getattr(so, "scheduled_spec_decode_tokens", None) or ())
         for rid, due in plan.next_due.items():
