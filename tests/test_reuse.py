@@ -106,3 +106,86 @@ def test_only_an_exact_match_hits(engine, reference):
             # vLLM's own prefix cache may still serve the uncompressed prompt blocks of the first turn.
             assert cached < len(first) + len(tokens) - 1, (cfg, salt)
             assert got == fresh["tokens"], (cfg, salt)
+
+
+def test_a_saved_state_is_a_copy_the_next_turn_does_not_change(reference):
+    """`RequestTokens.continue_from`: the continued state starts with the
+    saved one's positions, scores and query moments, and what it then
+    observes and compacts leaves the saved state as it was (several turns
+    may continue one state)."""
+    import torch
+
+    from vllm_kvcompress.plan import resolve_plan
+    from vllm_kvcompress.token_state import RequestTokens
+
+    prompt = random_prompts((180,), seed=85)[0]
+    first = reference.generate(prompt, 8, KVCompressConfig.from_dict({"policy": "h2o", "budget": 48}), block_size=32)
+    saved = first["resume"]["state"]
+    before = [saved.positions(layer).clone() for layer in range(saved.num_layers)], \
+        [a.clone() for a in saved.attention if a is not None]
+    config = KVCompressConfig.from_dict({"policy": "h2o", "budget": 48})
+    plan = resolve_plan(config, len(first["resume"]["history"]) + 20, saved.num_layers, 32)
+    state = RequestTokens(plan, saved.num_layers, saved.num_kv_heads, saved.num_q_heads)
+    state.continue_from(saved)
+    assert state.logical_len == saved.logical_len and state.num_compressions == saved.num_compressions
+    for layer in range(saved.num_layers):
+        assert torch.equal(state.positions(layer), saved.positions(layer))
+        assert torch.equal(state.attention[layer], saved.attention[layer])
+    state.append(torch.arange(state.logical_len, state.logical_len + 20))
+    for layer in range(saved.num_layers):
+        state.accumulate(layer, torch.ones(saved.num_q_heads, state.num_tokens(layer)))
+        state.keep_selected(layer, state.select(layer, 40))
+    state.finish_compaction()
+    assert all(torch.equal(saved.positions(layer), p) for layer, p in enumerate(before[0]))
+    assert all(torch.equal(a, b) for a, b in zip([a for a in saved.attention if a is not None], before[1]))
+
+
+def test_preempted_turns_resume_from_their_state(start_engine, tiny_model, reference):
+    """A pool too small for the second turns beside long uncompressed
+    neighbours: second turns are preempted and resumed, each from the state
+    it started from (held until it ends), and answer as the reference
+    continuing the first turn's; the pool is whole afterwards."""
+    # vLLM's admission (no growth reserved): the second turns start at once,
+    # holding their states, and are preempted as the batch grows.
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", enable_prefix_caching=True,
+                                          num_gpu_blocks_override=48, kv_compress_reserve_growth=0))
+    firsts = random_prompts((190, 210, 170), seed=86)
+    configs = [{"policy": "snapkv", "budget": 64, "reuse": True}, {"policy": "h2o", "budget": 48, "reuse": True},
+               {"policy": "tova", "budget": 56, "reuse": True}]
+    turn1 = [t for t, _ in run(engine, firsts, configs)]
+    seconds = [p + t + tail for p, t, tail in zip(firsts, turn1, random_prompts((40, 30, 50), seed=87))]
+    fillers = random_prompts([220] * 3, seed=88)
+    before = engine.stats()
+    from vllm import SamplingParams
+
+    params = [SamplingParams(max_tokens=160, temperature=0, ignore_eos=True,
+                             extra_args=None if c is None else {"kv_compress": c}) for c in [None] * 3 + configs]
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in fillers + seconds], params, use_tqdm=False)
+    stats = engine.stats()
+    assert stats["preemptions"] > before["preemptions"], "the cache was meant to be too small"
+    assert stats["states_reused"] - before["states_reused"] == 3
+    assert any("#preempted" in k and r["tokens_reused"] for k, r in stats["requests"].items()), \
+        "a second turn was meant to be preempted after it started from its state"
+    for first, config, second, out in zip(firsts, configs, seconds, outs[3:]):
+        cfg = KVCompressConfig.from_dict(config)
+        resume = reference.generate(first, NEW_TOKENS, cfg, block_size=32)
+        want = reference.generate(second, 160, cfg, block_size=32, resume=resume)
+        assert list(out.outputs[0].token_ids) == want["tokens"], config
+    assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def test_evicted_states_are_never_used(start_engine, tiny_model, reference):
+    """Uncompressed requests that need the whole pool evict the saved state
+    (vLLM's LRU): the next turn then starts from nothing and answers as a
+    fresh request."""
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", enable_prefix_caching=True,
+                                          num_gpu_blocks_override=40))
+    first = random_prompts((200,), seed=89)[0]
+    config = {"policy": "snapkv", "budget": 64, "reuse": True}
+    (tokens, _), = run(engine, [first], [config])
+    engine.generate(random_prompts([600, 580], seed=90), 8)  # every free block, the saved ones too
+    second = first + tokens + random_prompts((30,), seed=91)[0]
+    before = engine.stats()["states_reused"]
+    (got, cached), = run(engine, [second], [config])
+    assert engine.stats()["states_reused"] == before and cached < len(first)
+    assert got == reference.generate(second, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=32)["tokens"]

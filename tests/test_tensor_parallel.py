@@ -169,3 +169,26 @@ def test_a_draft_model_on_two_ranks(tp1, model):
     for config, a, b in zip(configs, got, want):
         assert a == b, f"a draft model on TP=2 changed the tokens: {config}"
     assert end["free_blocks"] == end["total_blocks"]
+
+
+@pytest.mark.extended
+def test_reused_states_on_two_ranks(tp2, model):
+    """`reuse` on TP=2 (per-layer KV cache groups): each rank keeps its own
+    heads' saved token state; the next turns start from it and answer as the
+    reference continuing its own."""
+    from kvc_tools.reference_decoder import ReferenceDecoder
+
+    reference = ReferenceDecoder(model)
+    configs = [{"policy": "snapkv", "budget": 64, "window": 8, "reuse": True},
+               {"policy": "pyramidkv", "budget": 80, "window": 8, "reuse": True}]
+    prompts, resume = random_prompts([190, 220], seed=92), [None, None]
+    before = tp2.stats()["states_reused"]
+    for turn in range(2):
+        got = tp2.generate(prompts, 24, configs)
+        for i, (prompt, config, tokens) in enumerate(zip(prompts, configs, got)):
+            cfg = KVCompressConfig.from_dict({**config, "layer_groups": NUM_LAYERS})
+            want = reference.generate(prompt, 24, cfg, block_size=BLOCK_SIZE, resume=resume[i])
+            assert tokens == want["tokens"], (turn, config)
+            resume[i] = want
+        prompts = [p + t + tail for p, t, tail in zip(prompts, got, random_prompts([30, 40], seed=93 + turn))]
+    assert tp2.stats()["states_reused"] - before == 2
