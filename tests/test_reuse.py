@@ -189,3 +189,34 @@ def test_evicted_states_are_never_used(start_engine, tiny_model, reference):
     (got, cached), = run(engine, [second], [config])
     assert engine.stats()["states_reused"] == before and cached < len(first)
     assert got == reference.generate(second, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=32)["tokens"]
+
+
+def test_reuse_settings_are_checked():
+    """`reuse` takes true or false (words and 0/1 too: a server's vllm_xargs
+    carry no booleans), and is refused beside a merge stage."""
+    from vllm_kvcompress.config import KVCompressConfigError
+
+    for value, want in ((True, True), ("true", True), ("no", False), (1, True), (0, False)):
+        assert KVCompressConfig.from_dict({"policy": "snapkv", "budget": 64, "reuse": value}).reuse is want
+    with pytest.raises(KVCompressConfigError, match=r"^kv_compress.reuse: expected true or false, got str 'maybe'"):
+        KVCompressConfig.from_dict({"policy": "snapkv", "budget": 64, "reuse": "maybe"})
+    with pytest.raises(KVCompressConfigError, match=r"^kv_compress.reuse: a state whose layers were merged"):
+        KVCompressConfig.from_dict({"policy": "minicache", "reuse": True, "layer_groups": 4})
+
+
+def test_reuse_without_prefix_caching_is_refused(start_engine, tiny_model):
+    """An engine started with reuse and prefix caching off is refused at
+    startup; on an engine without prefix caching, a request asking for reuse
+    fails alone with the field named, and the engine serves the next one."""
+    from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_kvcompress.config import KVCompressConfigError
+
+    with pytest.raises(KVCompressConfigError, match=r"kv_compress.reuse: needs prefix caching"):
+        LLM(**engine_kwargs(tiny_model, kv_compress="snapkv", kv_compress_budget=64, kv_compress_reuse=True))
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none"))
+    params = SamplingParams(max_tokens=4, extra_args={"kv_compress": {"policy": "snapkv", "budget": 32, "reuse": True}})
+    with pytest.raises(VLLMValidationError, match=r"kv_compress.reuse: needs prefix caching"):
+        engine.llm.generate([{"prompt_token_ids": [5] * 40}], params, use_tqdm=False)
+    assert len(engine.generate([[5] * 40], 4, [{"policy": "snapkv", "budget": 32}])[0]) == 4

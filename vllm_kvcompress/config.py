@@ -98,10 +98,32 @@ def param_field(name: str) -> dataclasses.Field:
     raise KeyError(name)
 
 
+def parse_bool(value: Any) -> bool | None:
+    """A true or false given as a boolean, 1 or 0, or a word (flags, a
+    server's vllm_xargs, which carry no booleans); None: neither."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(value.lower())
+    return None
+
+
+# Common fields that are true or false.
+BOOLEAN_FIELDS = frozenset(name for name, t in _OPTIONAL_FIELDS.items() if t is bool)
+
+
 def _check_type(name: str, value: Any, expected: Any, bound: Bound | None = None,
                 limits: EngineLimits | None = None) -> Any:
-    """Accept `value` for a field annotated `expected` (int, float, str),
-    an integer within `bound` (on the engine of `limits`, when known)."""
+    """Accept `value` for a field annotated `expected` (int, float, str, or
+    bool: `parse_bool`), an integer within `bound` (on the engine of `limits`,
+    when known)."""
+    if expected in (bool, "bool"):
+        parsed = parse_bool(value)
+        if parsed is None:
+            raise _fail(name, f"expected true or false, got {type(value).__name__} {shown(value)}")
+        return parsed
     if expected in (float, "float") and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     py_type = {"int": int, "float": float, "str": str, "bool": bool}.get(expected, expected)
@@ -321,6 +343,9 @@ class KVCompressConfig:
             problem = part.incompatible_with(parts, self)
             if problem is not None:
                 raise _fail(problem.field, problem.reason)
+        if self.reuse and parts.merge.name != "none":
+            raise _fail("reuse", f"a state whose layers were merged (merge {parts.merge.name!r}) cannot be "
+                                 f"continued; valid with it: merge 'none'")
 
     # ------------------------------------------------------------ using
 

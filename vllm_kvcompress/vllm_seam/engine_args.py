@@ -21,6 +21,7 @@ from ..config import (
     KVCompressConfigError,
     all_params,
     param_field,
+    parse_bool,
 )
 from ..merge import MERGES
 from ..registry import POLICIES
@@ -34,7 +35,7 @@ GROUP = "KVCompress"
 
 def boolean(text: str) -> bool:
     """A flag's true or false."""
-    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    value = parse_bool(text)
     if value is None:
         raise ValueError(f"expected true or false, got {text!r}")
     return value

@@ -262,6 +262,22 @@ def check_model(vllm_config) -> None:
         problem = parts.allocation.problem(num_layers)
         if problem is not None:
             raise KVCompressConfigError(f"{CONFIG_KEY}.allocation: {problem}")
+    if config.reuse:
+        problem = reuse_problem(vllm_config)
+        if problem is not None:
+            raise KVCompressConfigError(f"{CONFIG_KEY}.reuse: {problem}")
+
+
+def reuse_problem(vllm_config) -> str | None:
+    """Why this engine cannot keep compressed states for later requests (None: it can)."""
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return "needs prefix caching (the engine runs with it off: drop --no-enable-prefix-caching)"
+    model = vllm_config.model_config
+    num_layers = full_attention_layers(model)
+    if num_layers is not None and num_layers != model.get_num_layers(vllm_config.parallel_config):
+        return ("a model with layers that do not compress (sliding-window or linear attention: "
+                f"{model.hf_text_config.model_type}) is not served")
+    return None
 
 
 # Proposers whose drafts compose with compression: n-gram lookup reads only

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import (
+    BOOLEAN_FIELDS,
     CONFIG_KEY,
     FIELD_ALIASES,
     KVCompressConfig,
@@ -21,7 +22,7 @@ from ..config import (
     looks_like_ours,
     request_overrides,
 )
-from .engine_checks import engine_limits
+from .engine_checks import engine_limits, reuse_problem
 
 
 def wrap_process_inputs(original):
@@ -54,6 +55,10 @@ def wrap_process_inputs(original):
             config = KVCompressConfig.from_dict(engine).merged(overrides, limits=limits)
             prompt_len = (len(request.prompt_token_ids) if request.prompt_token_ids is not None
                           else len(request.prompt_embeds))
+            if config.reuse:
+                problem = reuse_problem(self.vllm_config)
+                if problem is not None:
+                    raise KVCompressConfigError(f"{CONFIG_KEY}.reuse: {problem}")
             if overrides.get("protect_prefix") is not None and (config.protect_prefix or 0) > prompt_len:
                 raise KVCompressConfigError(
                     f"{CONFIG_KEY}.protect_prefix: {config.protect_prefix} is longer than the prompt "
@@ -129,8 +134,8 @@ def boolean_in(xargs: Any) -> str | None:
     for key, value in xargs.items():
         values = value if isinstance(value, list) else [value]
         booleans = [v for v in values if isinstance(v, bool)]
-        if looks_like_ours(key) and booleans:
-            name = key.removeprefix(CONFIG_KEY + "_") if key != CONFIG_KEY else "policy"
+        name = key.removeprefix(CONFIG_KEY + "_") if key != CONFIG_KEY else "policy"
+        if looks_like_ours(key) and booleans and field_name(FIELD_ALIASES.get(name, name)) not in BOOLEAN_FIELDS:
             got = json.dumps(booleans[0]) + (" in a list" if isinstance(value, list) else "")
             return (f"{CONFIG_KEY}.{field_name(FIELD_ALIASES.get(name, name))}: expected a number or a name, got "
                     f"the JSON boolean {got}")
