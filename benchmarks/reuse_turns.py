@@ -1,0 +1,195 @@
+"""Conversations under memory pressure: compressed states reused across turns (`reuse`) against recompression.
+
+Many conversations at once over one engine whose KV cache is too small to
+keep every history uncompressed (`--cache-gib`): each conversation's first
+message is a haystack with `--turns` needles (benchmarks/multiturn.py's
+conversations), each later message asks for the next key, the model's own
+answers stay in the conversation. Through `vllm serve` chat completions,
+streamed (time to first token), prefix caching on, one server per setting:
+
+- full KV: vanilla vLLM (no --kv-compress), its own prefix cache;
+- recompressed: each turn compresses its whole prompt again (what the plugin
+  did before `reuse`: the history's uncompressed blocks are hit only while
+  vLLM still caches them);
+- reuse: each turn starts from the last turn's compressed state.
+
+Per turn: the score (the needle's value in the answer), the prompt tokens
+computed (prompt minus cached, vLLM's `prompt_tokens_details`), time to first
+token; per setting the wall time of the whole set. The scores' differences to
+full KV come with a paired-bootstrap interval over conversations.
+
+    python benchmarks/reuse_turns.py --conversations 8 --turns 3 --length 2048 --cache-gib 0.5
+
+Writes benchmarks/results/reuse_turns.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from machine import machine_info  # benchmarks/machine.py (scripts run from this folder)
+from multiturn import conversation, machine_line, paired_interval, score
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def settings(ratio: float) -> dict[str, dict | None]:
+    """label -> the requests' kv_compress settings (None: a vanilla server)."""
+    kept = f"kept 1/{round(1 / (1 - ratio))}"
+    return {
+        "full KV (vanilla vLLM)": None,
+        f"snapkv-span, {kept}, recompressed": {"policy": "snapkv-span", "compression_ratio": ratio},
+        f"snapkv-span, {kept}, reuse": {"policy": "snapkv-span", "compression_ratio": ratio, "reuse": 1},
+        f"expected_attention, {kept}, recompressed": {"policy": "expected_attention", "compression_ratio": ratio},
+        f"expected_attention, {kept}, reuse": {"policy": "expected_attention", "compression_ratio": ratio,
+                                              "reuse": 1},
+    }
+
+
+def run_setting(args, model: str, convs: list[dict], label: str, setting: dict | None) -> dict:
+    import requests
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from server_utils import Server
+
+    log = Path(tempfile.mkdtemp(prefix="reuse-turns-")) / "serve.log"
+    print(f"{label}: server log {log}", file=sys.stderr, flush=True)
+    flags = ["--kv-compress", "none"] if setting is not None else []
+    server = Server(model, *flags, "--enable-prompt-tokens-details",
+                    "--max-model-len", str(args.length + args.turns * (args.max_tokens + 64) + 64),
+                    "--max-num-seqs", str(args.conversations), log=log, timeout=600,
+                    env={"VLLM_CPU_KVCACHE_SPACE": str(args.cache_gib)})
+
+    def converse(c: int) -> list[dict]:
+        conv, chat, rows = convs[c], [], []
+        for t, message in enumerate(conv["messages"]):
+            chat.append({"role": "user", "content": message})
+            body: dict = {"model": server.model, "messages": chat, "max_tokens": args.max_tokens, "temperature": 0,
+                          "stream": True, "stream_options": {"include_usage": True}}
+            if setting is not None:
+                body["vllm_xargs"] = {"kv_compress" if k == "policy" else f"kv_compress_{k}": v
+                                      for k, v in setting.items()}
+            start = time.perf_counter()
+            first, answer, usage = None, "", {}
+            with requests.post(server.url + "/v1/chat/completions", json=body, stream=True, timeout=3600) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices", []):
+                        text = choice.get("delta", {}).get("content")
+                        if text:
+                            first = first or time.perf_counter()
+                            answer += text
+            end = time.perf_counter()
+            chat.append({"role": "assistant", "content": answer})
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            rows.append({"setting": label, "conversation": c, "turn": t + 1, "prompt_tokens": usage["prompt_tokens"],
+                         "cached_tokens": cached, "computed_tokens": usage["prompt_tokens"] - cached,
+                         "ttft_s": (first or end) - start, "latency_s": end - start,
+                         "score": score(answer, conv["values"][t]), "answer": answer})
+        print(f"{label} #{c}: scores {[r['score'] for r in rows]}, computed {[r['computed_tokens'] for r in rows]}",
+              file=sys.stderr, flush=True)
+        return rows
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(args.conversations) as pool:
+            rows = [r for rows in pool.map(converse, range(len(convs))) for r in rows]
+        wall = time.perf_counter() - t0
+    finally:
+        server.stop()
+    return {"rows": rows, "wall_s": wall}
+
+
+def render(result: dict) -> str:
+    rows = result["rows"]
+    turns = sorted({r["turn"] for r in rows})
+    labels = list(dict.fromkeys(r["setting"] for r in rows))
+    full_label = labels[0]
+    full = {(r["conversation"], r["turn"]): r["score"] for r in rows if r["setting"] == full_label}
+    out = [f"# Conversations under memory pressure: reusing compressed states ({result['model_name']})", "",
+           f"`{result['command']}` on {machine_line(result)}; {result['conversations']} conversations at once, "
+           f"{len(turns)} turns over a {result['length']}-token haystack, {result['max_tokens']}-token answers, "
+           f"`vllm serve` chat completions streamed, prefix caching on, a {result['cache_gib']} GiB KV cache (too "
+           f"small for every history uncompressed); one server per setting, one run each. Per turn: mean over "
+           f"conversations of the score (difference to full KV, 95% paired-bootstrap interval), the prompt tokens "
+           f"computed (prompt minus vLLM's cached tokens) and the time to first token (median, max).", "",
+           "| setting | turn | score | prompt tokens | computed | TTFT median / max (s) |",
+           "|---|---|---|---|---|---|"]
+    for label in labels:
+        for t in turns:
+            sel = [r for r in rows if r["setting"] == label and r["turn"] == t]
+            mean = statistics.mean(r["score"] for r in sel)
+            cell = f"{mean:.3f}"
+            if label != full_label:
+                diffs = [r["score"] - full[r["conversation"], r["turn"]] for r in sel]
+                lo, hi = paired_interval(diffs)
+                cell += f" ({statistics.mean(diffs):+.3f}, {lo:+.3f} .. {hi:+.3f})"
+            ttft = [r["ttft_s"] for r in sel]
+            out.append(f"| {label} | {t} | {cell} | {statistics.mean(r['prompt_tokens'] for r in sel):.0f} | "
+                       f"{statistics.mean(r['computed_tokens'] for r in sel):.0f} | "
+                       f"{statistics.median(ttft):.1f} / {max(ttft):.1f} |")
+    out += ["", "| setting | wall (s) | prompt tokens computed, all turns | conversations per minute |",
+            "|---|---|---|---|"]
+    for label in labels:
+        sel = [r for r in rows if r["setting"] == label]
+        wall = result["walls"][label]
+        out.append(f"| {label} | {wall:.0f} | {sum(r['computed_tokens'] for r in sel)} | "
+                   f"{60 * result['conversations'] / wall:.1f} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct, prepared)")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--length", type=int, default=2048, help="haystack tokens (the first message)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--ratio", type=float, default=0.875, help="compression_ratio of the compressed settings")
+    p.add_argument("--cache-gib", type=float, default=0.5, help="VLLM_CPU_KVCACHE_SPACE of each server")
+    p.add_argument("--only", action="append", default=None, help="run only settings whose label has this text")
+    p.add_argument("--out", type=Path, default=RESULTS / "reuse_turns")
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.append(str(ROOT))
+    from kvc_tools.longctx import make_token_counter
+    from kvc_tools.models import prepare_smollm2
+
+    model = args.model or str(prepare_smollm2())
+    count_tokens, _ = make_token_counter(model)
+    convs = [conversation(i, args.length, args.turns, count_tokens) for i in range(args.conversations)]
+    rows, walls = [], {}
+    for label, setting in settings(args.ratio).items():
+        if args.only and not any(o in label for o in args.only):
+            continue
+        done = run_setting(args, model, convs, label, setting)
+        rows += done["rows"]
+        walls[label] = done["wall_s"]
+    given = argv if argv is not None else sys.argv[1:]
+    result = {"rows": rows, "walls": walls, "command": shlex.join(["python", "benchmarks/reuse_turns.py", *given]),
+              "machine": machine_info(), "model": model, "model_name": Path(model).name, "length": args.length,
+              "conversations": args.conversations, "max_tokens": args.max_tokens, "cache_gib": args.cache_gib}
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    text = render(result)
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
