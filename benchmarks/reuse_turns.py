@@ -1,7 +1,7 @@
 """Conversations under memory pressure: compressed states reused across turns (`reuse`) against recompression.
 
 Many conversations at once over one engine whose KV cache is too small to
-keep every history uncompressed (`--cache-gib`): each conversation's first
+keep every history uncompressed (`--blocks` of 32 tokens): each conversation's first
 message is a haystack with `--turns` needles (benchmarks/multiturn.py's
 conversations), each later message asks for the next key, the model's own
 answers stay in the conversation. Through `vllm serve` chat completions,
@@ -18,7 +18,7 @@ computed (prompt minus cached, vLLM's `prompt_tokens_details`), time to first
 token; per setting the wall time of the whole set. The scores' differences to
 full KV come with a paired-bootstrap interval over conversations.
 
-    python benchmarks/reuse_turns.py --conversations 8 --turns 3 --length 2048 --cache-gib 0.5
+    python benchmarks/reuse_turns.py --conversations 8 --turns 3 --length 2048 --blocks 256
 
 Writes benchmarks/results/reuse_turns.{json,md}.
 """
@@ -67,8 +67,8 @@ def run_setting(args, model: str, convs: list[dict], label: str, setting: dict |
     flags = ["--kv-compress", "none"] if setting is not None else []
     server = Server(model, *flags, "--enable-prompt-tokens-details",
                     "--max-model-len", str(args.length + args.turns * (args.max_tokens + 64) + 64),
-                    "--max-num-seqs", str(args.conversations), log=log, timeout=600,
-                    env={"VLLM_CPU_KVCACHE_SPACE": str(args.cache_gib)})
+                    "--max-num-seqs", str(args.conversations), "--num-gpu-blocks-override", str(args.blocks),
+                    log=log, timeout=600)
 
     def converse(c: int) -> list[dict]:
         conv, chat, rows = convs[c], [], []
@@ -124,8 +124,8 @@ def render(result: dict) -> str:
     out = [f"# Conversations under memory pressure: reusing compressed states ({result['model_name']})", "",
            f"`{result['command']}` on {machine_line(result)}; {result['conversations']} conversations at once, "
            f"{len(turns)} turns over a {result['length']}-token haystack, {result['max_tokens']}-token answers, "
-           f"`vllm serve` chat completions streamed, prefix caching on, a {result['cache_gib']} GiB KV cache (too "
-           f"small for every history uncompressed); one server per setting, one run each. Per turn: mean over "
+           f"`vllm serve` chat completions streamed, prefix caching on, a KV cache of {result['blocks']} blocks of 32 "
+           f"tokens (too small for every history uncompressed); one server per setting, one run each. Per turn: mean over "
            f"conversations of the score (difference to full KV, 95% paired-bootstrap interval), the prompt tokens "
            f"computed (prompt minus vLLM's cached tokens) and the time to first token (median, max).", "",
            "| setting | turn | score | prompt tokens | computed | TTFT median / max (s) |",
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=2048, help="haystack tokens (the first message)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--ratio", type=float, default=0.875, help="compression_ratio of the compressed settings")
-    p.add_argument("--cache-gib", type=float, default=0.5, help="VLLM_CPU_KVCACHE_SPACE of each server")
+    p.add_argument("--blocks", type=int, default=256, help="KV cache blocks of each server (32 tokens each)")
     p.add_argument("--only", action="append", default=None, help="run only settings whose label has this text")
     p.add_argument("--out", type=Path, default=RESULTS / "reuse_turns")
     args = p.parse_args(argv)
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     given = argv if argv is not None else sys.argv[1:]
     result = {"rows": rows, "walls": walls, "command": shlex.join(["python", "benchmarks/reuse_turns.py", *given]),
               "machine": machine_info(), "model": model, "model_name": Path(model).name, "length": args.length,
-              "conversations": args.conversations, "max_tokens": args.max_tokens, "cache_gib": args.cache_gib}
+              "conversations": args.conversations, "max_tokens": args.max_tokens, "blocks": args.blocks}
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     text = render(result)
     args.out.with_suffix(".md").write_text(text)
