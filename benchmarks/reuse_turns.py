@@ -18,9 +18,21 @@ computed (prompt minus cached, vLLM's `prompt_tokens_details`), time to first
 token; per setting the wall time of the whole set. The scores' differences to
 full KV come with a paired-bootstrap interval over conversations.
 
-    python benchmarks/reuse_turns.py --conversations 8 --turns 3 --length 2048 --blocks 256
+`--document`: one long document (a haystack with `--questions` needles)
+compressed once and asked many different questions: the document alone
+first (one token generated; with `reuse` its compressed state stays), then
+every question at once, each prompt the document's tokens and the question's
+(completions with token ids, the chat template written out), at kept 1/4 ..
+1/32: full KV (vanilla vLLM), each question compressing document and
+question again (snapkv-span, which sees the question), and `reuse` of the
+document's state (snapkv-span, which chose for the document's end, and
+expected attention, which needs no question). One plugin server for the
+compressed settings (their states are keyed apart), one vanilla server.
 
-Writes benchmarks/results/reuse_turns.{json,md}.
+    python benchmarks/reuse_turns.py --conversations 8 --turns 3 --length 2048 --blocks 256
+    python benchmarks/reuse_turns.py --document --questions 16 --length 2048
+
+Writes benchmarks/results/reuse_turns.{json,md} (reuse_document.* with --document).
 """
 
 from __future__ import annotations
@@ -125,9 +137,10 @@ def render(result: dict) -> str:
            f"`{result['command']}` on {machine_line(result)}; {result['conversations']} conversations at once, "
            f"{len(turns)} turns over a {result['length']}-token haystack, {result['max_tokens']}-token answers, "
            f"`vllm serve` chat completions streamed, prefix caching on, a KV cache of {result['blocks']} blocks of 32 "
-           f"tokens (too small for every history uncompressed); one server per setting, one run each. Per turn: mean over "
-           f"conversations of the score (difference to full KV, 95% paired-bootstrap interval), the prompt tokens "
-           f"computed (prompt minus vLLM's cached tokens) and the time to first token (median, max).", "",
+           f"tokens (too small for every history uncompressed); one server per setting, one run each. Per turn: "
+           f"mean over conversations of the score (difference to full KV, 95% paired-bootstrap interval), the "
+           f"prompt tokens computed (prompt minus vLLM's cached tokens) and the time to first token (median, "
+           f"max).", "",
            "| setting | turn | score | prompt tokens | computed | TTFT median / max (s) |",
            "|---|---|---|---|---|---|"]
     for label in labels:
@@ -153,6 +166,126 @@ def render(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+# ------------------------------------------------------------------------- one document, many questions
+
+
+DOCUMENT_SETTINGS = {
+    "recompressed, snapkv-span": {"policy": "snapkv-span"},
+    "reuse, snapkv-span": {"policy": "snapkv-span", "reuse": 1},
+    "reuse, expected_attention": {"policy": "expected_attention", "reuse": 1},
+}
+RATIOS = (0.75, 0.875, 0.9375, 0.96875)  # kept 1/4 .. 1/32
+
+
+def document_prompts(model: str, args) -> tuple[list[int], list[list[int]], list[str]]:
+    """The document's tokens (a user turn left open) and each question's
+    (closing the turn and opening the answer), as the chat template renders
+    `[user: intro, haystack, question]`; and the values asked for."""
+    from multiturn import INTRO, QUESTION
+    from transformers import AutoTokenizer
+
+    from kvc_tools.longctx import make_token_counter
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    count_tokens, _ = make_token_counter(model)
+    conv = conversation(0, args.length, args.questions, count_tokens)
+    marker = "\u0000QUESTION\u0000"
+    haystack = conv["messages"][0].removeprefix(INTRO + "\n").rsplit("\n", 1)[0]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": f"{INTRO}\n{haystack}\n{marker}"}],
+                                         add_generation_prompt=True, tokenize=False)
+    head, tail = text.split(marker)
+    document = tokenizer(head, add_special_tokens=False)["input_ids"]
+    questions = [tokenizer(QUESTION.format(key=k) + tail, add_special_tokens=False)["input_ids"]
+                 for k in conv["keys"]]
+    return document, questions, conv["values"]
+
+
+def complete(server, setting: dict | None, prompt: list[int], max_tokens: int) -> tuple[str, dict, float]:
+    """(text, usage, latency) of a completion of token ids, with these kv_compress settings."""
+    import requests
+
+    body: dict = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if setting is not None:
+        body["vllm_xargs"] = {"kv_compress" if k == "policy" else f"kv_compress_{k}": v for k, v in setting.items()}
+    start = time.perf_counter()
+    r = requests.post(server.url + "/v1/completions", json=body, timeout=3600)
+    r.raise_for_status()
+    out = r.json()
+    return out["choices"][0]["text"], out["usage"], time.perf_counter() - start
+
+
+def run_document(args, model: str) -> dict:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from server_utils import Server
+
+    document, questions, values = document_prompts(model, args)
+    jobs: list[tuple[str, float | None, dict | None]] = [("full KV (vanilla vLLM)", None, None)]
+    jobs += [(label, ratio, {**setting, "compression_ratio": ratio})
+             for ratio in RATIOS for label, setting in DOCUMENT_SETTINGS.items()]
+    rows = []
+    servers: dict[bool, Server] = {}
+    max_len = str(len(document) + max(map(len, questions)) + args.max_tokens + 64)
+    try:
+        for label, ratio, setting in jobs:
+            plugin = setting is not None
+            if plugin not in servers:
+                for old in servers.values():
+                    old.stop()
+                servers.clear()
+                log = Path(tempfile.mkdtemp(prefix="reuse-document-")) / "serve.log"
+                print(f"server log {log}", file=sys.stderr, flush=True)
+                servers[plugin] = Server(model, *(["--kv-compress", "none"] if plugin else []),
+                                         "--enable-prompt-tokens-details", "--max-model-len", max_len,
+                                         "--max-num-seqs", str(len(questions)), log=log, timeout=600)
+            server = servers[plugin]
+
+            _, usage, first = complete(server, setting, document, 1)  # the document alone: compressed (kept) once
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(questions)) as pool:
+                answers = list(pool.map(lambda q, s=server, c=setting: complete(s, c, document + q, args.max_tokens),
+                                        questions))
+            wall = time.perf_counter() - t0
+            for q, (answer, usage, latency), value in zip(range(len(questions)), answers, values):
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                rows.append({"setting": label, "ratio": ratio, "question": q, "score": score(answer, value),
+                             "prompt_tokens": usage["prompt_tokens"],
+                             "computed_tokens": usage["prompt_tokens"] - cached, "latency_s": latency,
+                             "wall_s": wall, "document_s": first, "answer": answer})
+            sel = rows[-len(questions):]
+            print(f"{label} {ratio}: score {statistics.mean(r['score'] for r in sel):.3f}, computed "
+                  f"{statistics.mean(r['computed_tokens'] for r in sel):.0f}, wall {wall:.1f} s",
+                  file=sys.stderr, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    return {"rows": rows, "document_tokens": len(document), "questions": len(questions)}
+
+
+def render_document(result: dict) -> str:
+    rows = result["rows"]
+    full = {r["question"]: r["score"] for r in rows if r["ratio"] is None}
+    out = [f"# One document, many questions: its compressed state reused ({result['model_name']})", "",
+           f"`{result['command']}` on {machine_line(result)}; a {result['document_tokens']}-token document (a "
+           f"haystack of essay sentences with {result['questions']} needles) sent alone first, then "
+           f"{result['questions']} different questions at once (each prompt the document's tokens and the "
+           f"question's, `vllm serve` completions, prefix caching on, {result['max_tokens']}-token answers); one run. "
+           f"Score: mean over questions (difference to full KV, 95% paired-bootstrap interval); computed: prompt "
+           f"tokens minus vLLM's cached ones, mean per question; wall: the questions' batch.", "",
+           "| setting | kept | score | computed per question | wall (s) |", "|---|---|---|---|---|"]
+    for label, ratio in dict.fromkeys((r["setting"], r["ratio"]) for r in rows):
+        sel = [r for r in rows if r["setting"] == label and r["ratio"] == ratio]
+        mean = statistics.mean(r["score"] for r in sel)
+        cell = f"{mean:.3f}"
+        if ratio is not None:
+            diffs = [r["score"] - full[r["question"]] for r in sel]
+            lo, hi = paired_interval(diffs)
+            cell += f" ({statistics.mean(diffs):+.3f}, {lo:+.3f} .. {hi:+.3f})"
+        kept = "all" if ratio is None else f"1/{round(1 / (1 - ratio))}"
+        out.append(f"| {label} | {kept} | {cell} | {statistics.mean(r['computed_tokens'] for r in sel):.0f} | "
+                   f"{sel[0]['wall_s']:.1f} |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct, prepared)")
@@ -163,7 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--ratio", type=float, default=0.875, help="compression_ratio of the compressed settings")
     p.add_argument("--blocks", type=int, default=256, help="KV cache blocks of each server (32 tokens each)")
     p.add_argument("--only", action="append", default=None, help="run only settings whose label has this text")
-    p.add_argument("--out", type=Path, default=RESULTS / "reuse_turns")
+    p.add_argument("--document", action="store_true", help="one document, many questions")
+    p.add_argument("--questions", type=int, default=16, help="--document: questions (needles) on the document")
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.append(str(ROOT))
@@ -171,6 +306,17 @@ def main(argv=None) -> int:
     from kvc_tools.models import prepare_smollm2
 
     model = args.model or str(prepare_smollm2())
+    given = argv if argv is not None else sys.argv[1:]
+    common = {"command": shlex.join(["python", "benchmarks/reuse_turns.py", *given]), "machine": machine_info(),
+              "model": model, "model_name": Path(model).name, "length": args.length, "max_tokens": args.max_tokens}
+    if args.document:
+        result = {**run_document(args, model), **common}
+        out = args.out or RESULTS / "reuse_document"
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        text = render_document(result)
+        out.with_suffix(".md").write_text(text)
+        print(text)
+        return 0
     count_tokens, _ = make_token_counter(model)
     convs = [conversation(i, args.length, args.turns, count_tokens) for i in range(args.conversations)]
     rows, walls = [], {}
@@ -180,13 +326,11 @@ def main(argv=None) -> int:
         done = run_setting(args, model, convs, label, setting)
         rows += done["rows"]
         walls[label] = done["wall_s"]
-    given = argv if argv is not None else sys.argv[1:]
-    result = {"rows": rows, "walls": walls, "command": shlex.join(["python", "benchmarks/reuse_turns.py", *given]),
-              "machine": machine_info(), "model": model, "model_name": Path(model).name, "length": args.length,
-              "conversations": args.conversations, "max_tokens": args.max_tokens, "blocks": args.blocks}
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    result = {"rows": rows, "walls": walls, **common, "conversations": args.conversations, "blocks": args.blocks}
+    out = args.out or RESULTS / "reuse_turns"
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     text = render(result)
-    args.out.with_suffix(".md").write_text(text)
+    out.with_suffix(".md").write_text(text)
     print(text)
     return 0
 
