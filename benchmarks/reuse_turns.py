@@ -311,11 +311,7 @@ def main(argv=None) -> int:
               "model": model, "model_name": Path(model).name, "length": args.length, "max_tokens": args.max_tokens}
     if args.document:
         result = {**run_document(args, model), **common}
-        out = args.out or RESULTS / "reuse_document"
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        text = render_document(result)
-        out.with_suffix(".md").write_text(text)
-        print(text)
+        write(args.out or RESULTS / "reuse_document", result, render_document(result))
         return 0
     count_tokens, _ = make_token_counter(model)
     convs = [conversation(i, args.length, args.turns, count_tokens) for i in range(args.conversations)]
@@ -327,12 +323,14 @@ def main(argv=None) -> int:
         rows += done["rows"]
         walls[label] = done["wall_s"]
     result = {"rows": rows, "walls": walls, **common, "conversations": args.conversations, "blocks": args.blocks}
-    out = args.out or RESULTS / "reuse_turns"
+    write(args.out or RESULTS / "reuse_turns", result, render(result))
+    return 0
+
+
+def write(out: Path, result: dict, text: str) -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    text = render(result)
     out.with_suffix(".md").write_text(text)
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

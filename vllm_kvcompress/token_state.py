@@ -358,9 +358,9 @@ class RequestTokens:
         """[Hkv, keep] physical indices this layer keeps per head (hole-filling order).
 
         `keys`, `values`: the layer's cached keys and values [Hkv, T, D] (or
-        what loads them, once, when the scorer reads them). Layers whose scores are equal (the
-        scorer's `scores_key`) get the same tensor within one compaction
-        (callers reuse what they derive from it). The worker selects every
+        what loads them, once, when the scorer reads them). Layers whose
+        scores are equal (the scorer's `scores_key`) get the same tensor
+        within one compaction (callers reuse what they derive from it). The worker selects every
         compacting request's layer in one batch instead: `to_select`, the
         allocation's `select_batch`, then `take_selection`.
         """
