@@ -20,7 +20,8 @@ full KV come with a paired-bootstrap interval over conversations.
 
 `--document`: one long document (a haystack with `--questions` needles)
 compressed once and asked many different questions: the document alone
-first (one token generated; with `reuse` its compressed state stays), then
+first (two tokens generated, so that it compresses; with `reuse` its compressed
+prompt stays), then
 every question at once, each prompt the document's tokens and the question's
 (completions with token ids, the chat template written out), at kept 1/4 ..
 1/32: full KV (vanilla vLLM), each question compressing document and
@@ -239,7 +240,9 @@ def run_document(args, model: str) -> dict:
                                          "--max-num-seqs", str(len(questions)), log=log, timeout=600)
             server = servers[plugin]
 
-            _, usage, first = complete(server, setting, document, 1)  # the document alone: compressed (kept) once
+            # The document alone, two tokens generated: it compresses (at its first decode step), and with reuse
+            # its compressed prompt stays.
+            _, usage, first = complete(server, setting, document, 2)
             t0 = time.perf_counter()
             with ThreadPoolExecutor(len(questions)) as pool:
                 answers = list(pool.map(lambda q, s=server, c=setting: complete(s, c, document + q, args.max_tokens),

@@ -334,6 +334,18 @@ class ReferenceDecoder:
                            "num_evicted": tuple(plan.num_evicted)}}
 
 
+def at_length(result: dict, length: int) -> dict:
+    """A `generate` result's resumable state as it was at `length` tokens (its
+    prompt, say): the newer tokens dropped from its cache's tail (they came
+    after its last compression), as the engine keeps a prompt's state for
+    `reuse`."""
+    saved = result["resume"]
+    drop = len(saved["history"]) - length
+    cache = [(k[:, : k.shape[1] - drop], v[:, : v.shape[1] - drop]) for k, v in saved["cache"]]
+    return {"resume": {"history": saved["history"][:length], "cache": cache,
+                       "state": saved["state"].truncated(length), "num_evicted": saved["num_evicted"]}}
+
+
 def gather_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """x [H, T, D] at slots [H, K] (per head) -> [H, K, D]."""
     return torch.gather(x, 1, slots.unsqueeze(-1).expand(-1, -1, x.shape[-1]))

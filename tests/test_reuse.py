@@ -220,3 +220,24 @@ def test_reuse_without_prefix_caching_is_refused(start_engine, tiny_model):
     with pytest.raises(VLLMValidationError, match=r"kv_compress.reuse: needs prefix caching"):
         engine.llm.generate([{"prompt_token_ids": [5] * 40}], params, use_tqdm=False)
     assert len(engine.generate([[5] * 40], 4, [{"policy": "snapkv", "budget": 32}])[0]) == 4
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "expected_attention"])
+def test_a_document_compressed_once_serves_many_questions(engine, reference, policy):
+    """A document sent alone (a few tokens generated, so that it compresses)
+    keeps its compressed prompt too: questions on it, all at once, start from
+    that state (the document's tokens hit, only the question is computed) and
+    answer as the reference continuing its own compressed document."""
+    from kvc_tools.reference_decoder import at_length
+
+    document = random_prompts((300,), seed=94)[0]
+    config = {"policy": policy, "budget": 64, "reuse": True}
+    cfg = KVCompressConfig.from_dict(config)
+    run(engine, [document], [config])
+    questions = random_prompts((20, 25, 30, 35), seed=95)
+    got = run(engine, [document + q for q in questions], [config] * len(questions))
+    base = at_length(reference.generate(document, NEW_TOKENS, cfg, block_size=32), len(document))
+    for question, (tokens, cached) in zip(questions, got):
+        assert cached == len(document)
+        assert tokens == reference.generate(document + question, NEW_TOKENS, cfg, block_size=32,
+                                            resume=base)["tokens"]

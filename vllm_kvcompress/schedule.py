@@ -49,6 +49,7 @@ class RequestSchedule:
     budgets: tuple[int, ...] | None = None  # per group; None: compression off
     num_evicted: list[int] = field(default_factory=lambda: [0])  # per group
     num_compressions: int = 0
+    compressed_at: int = 0  # the logical length at the last compression (0: none)
     prefill_checked: bool = False
     # The allocation derives layer budgets from the prompt's attention: the
     # worker reports them at prefill end (`set_layer_budgets`).
@@ -300,6 +301,7 @@ class RequestSchedule:
         """Record a compression to these physical lengths."""
         self.num_evicted = [logical_len - t for t in targets]
         self.num_compressions += 1
+        self.compressed_at = logical_len
         self._changed()
 
     def _changed(self) -> None:

@@ -70,10 +70,12 @@ class StepPlan:
     # Some scheduled request has a plan: the workers may run compression code
     # (and, under tensor parallelism, gather their failures at the step's end).
     compressing: bool = False
-    # `reuse`: finished requests whose compression state the workers keep
-    # under a key (request id -> key), and kept states no longer in the
-    # cache (their blocks were reused): the workers drop them.
-    saved: dict[str, str] = field(default_factory=dict)
+    # `reuse`: finished requests whose compression state the workers keep,
+    # each under a key at a length (request id -> (key, logical length)
+    # pairs: its whole history, and its prompt alone where its outputs are
+    # all in the tail), and kept states no longer in the cache (their blocks
+    # were reused): the workers drop them.
+    saved: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
 
 

@@ -10,6 +10,7 @@ cache, the reference's dense tensors) is the caller's business.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -145,6 +146,22 @@ class RequestTokens:
                         for m in saved.moments]
         self.dead, self._num_dead = list(saved.dead), saved._num_dead
         self.num_compressions = saved.num_compressions
+
+    def truncated(self, logical_len: int) -> RequestTokens:
+        """This state as it was at `logical_len` tokens, the newer ones dropped
+        from the tail (they came after the last compaction); for `reuse` of a
+        prompt without its outputs. A copy: this state is left as it is."""
+        drop = self.logical_len - logical_len
+        if not 0 <= drop <= self._tail_len or self.speculative:
+            raise RuntimeError(f"kv_compress: {drop} tokens cannot leave a tail of {self._tail_len}")
+        out = copy.copy(self)
+        out.logical_len, out._tail_len = logical_len, self._tail_len - drop
+        # Score columns of the dropped tokens read as unobserved (zero) again.
+        out.attention = [None if a is None else a.clone() for a in self.attention]
+        for layer, a in enumerate(out.attention):
+            if a is not None:
+                a[:, out.num_tokens(layer):] = 0
+        return out
 
     # ------------------------------------------------------------ observing
 

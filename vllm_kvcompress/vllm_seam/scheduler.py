@@ -150,7 +150,7 @@ class KVCompressScheduler(Scheduler):
         # The blocks of its state a request that started from one holds until
         # it ends (preempted too: it resumes from the same state).
         self._kvc_pins: dict[str, list] = {}
-        self._kvc_saved_now: dict[str, str] = {}  # for the next step's plan (StepPlan.saved)
+        self._kvc_saved_now: dict[str, tuple[tuple[str, int], ...]] = {}  # for the next step's plan (StepPlan.saved)
         self._kvc_dropped: list[str] = []
         logger.info("kv_compress scheduler ready (pid %d): %s, block %d, compressing %d of %d KV cache group(s)",
                     os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size, len(self._kvc_managers),
@@ -470,27 +470,46 @@ class KVCompressScheduler(Scheduler):
 
     def _save_state(self, request) -> None:
         """A finishing request with `reuse`: its compressed state stays (its
-        blocks named in the pool before they are freed)."""
+        blocks named in the pool before they are freed), at its whole
+        history and, where its trigger compressed it for the last time at or
+        before its prompt's end, at its prompt alone too (its outputs are the
+        cache's tail: a document sent alone, compressed once, for many
+        questions)."""
         rid = request.request_id
         state = self.kvc_states.get(rid)
         assert self._kvc_saved is not None
         if state is None or state.plan is None or not (state.num_compressions or self._kvc_began.get(rid)):
             return  # nothing compressed: vLLM's own prefix cache keeps what it can of it
-        length, bs = request.num_computed_tokens, self.kvc_block_size
-        anchor = length // bs
-        if anchor == 0 or len(request.block_hashes) < anchor:
-            return
-        physical = state.physical(length)
-        blocks = [manager.req_to_blocks.get(rid, [])[: cdiv(p, bs)] for manager, p in zip(self._kvc_managers, physical)]
-        if any(len(b) != cdiv(p, bs) for b, p in zip(blocks, physical)):
-            return
-        saved = self._kvc_saved.save(self._kvc_fingerprint[rid], request.all_token_ids[:length],
-                                     request.block_hashes[anchor - 1], physical, state.plan.protected_len, blocks)
-        if saved is not None:
-            self._kvc_saved_now[rid] = saved.key
+        computed, prompt_len = request.num_computed_tokens, request.num_prompt_tokens
+        lengths = [computed]
+        if not state.plan.trigger.repeats() and state.compressed_at <= prompt_len < computed:
+            lengths.append(prompt_len)
+        saved = []
+        for length in lengths:
+            key = self._save_at(request, state, length, computed)
+            if key is not None:
+                saved.append((key, length))
+        if saved:
+            self._kvc_saved_now[rid] = tuple(saved)
             stats = self.kvc_stats.requests.get(rid)
             if stats is not None:
                 self.kvc_stats.saved(stats)
+
+    def _save_at(self, request, state: RequestSchedule, length: int, computed: int) -> str | None:
+        """Keep the request's state as it was at `length` tokens (the newer
+        ones, its cache's tail, left out); its key (None: not kept)."""
+        assert self._kvc_saved is not None and state.plan is not None
+        bs, rid = self.kvc_block_size, request.request_id
+        anchor = length // bs
+        if anchor == 0 or len(request.block_hashes) < anchor:
+            return None
+        physical = tuple(p - (computed - length) for p in state.physical(computed))
+        blocks = [manager.req_to_blocks.get(rid, [])[: cdiv(p, bs)] for manager, p in zip(self._kvc_managers, physical)]
+        if any(len(b) != cdiv(p, bs) for b, p in zip(blocks, physical)):
+            return None
+        saved = self._kvc_saved.save(self._kvc_fingerprint[rid], request.all_token_ids[:length],
+                                     request.block_hashes[anchor - 1], physical, state.plan.protected_len, blocks)
+        return None if saved is None else saved.key
 
     def _end_reuse(self, request) -> None:
         """A request ended (not preempted): its hold on a saved state goes."""

@@ -228,10 +228,12 @@ class WorkerCompression:
         self.runner.begin_step(so)
         plan = step_plan_of(so)
         preempted = getattr(so, "preempted_req_ids", None) or ()
-        for rid, key in plan.saved.items():  # before the finished requests' states go
+        for rid, kept in plan.saved.items():  # before the finished requests' states go
             state = self.states.get(rid)
             if state is not None:
-                self.saved[key] = state
+                with self.isolated(rid, "keeping its state"):
+                    for key, length in kept:
+                        self.saved[key] = state if length == state.logical_len else state.truncated(length)
         for key in plan.dropped:
             self.saved.pop(key, None)
         for rid in (*so.finished_req_ids, *preempted):
