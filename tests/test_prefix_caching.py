@@ -44,6 +44,7 @@ SETTINGS = {
     "random": {"policy": "random", "budget": 48},
     "rkv": {"policy": "rkv", "budget": 16, "interval": 8},
     "knorm": {"policy": "knorm", "budget": 48},
+    "expected_attention": {"policy": "expected_attention", "budget": 48},
     "minicache": {"policy": "minicache"},
     "streamed": {"policy": "streamingllm", "budget": 48, "prompt_chunk": 64},
     "h2o-protected": {"policy": "h2o", "budget": 48, "protect_prefix": 96},
@@ -132,11 +133,12 @@ def test_every_policy_answers_the_same_whatever_the_cache_holds(engine, referenc
         compressed_hits += again[i][1] > 0
     # What the rule allows: a hit up to the observation window (SnapKV family),
     # the last query (TOVA), the first compression (positions, keys); none for
-    # scorers of every query (H2O, Keyformer) without a protected prefix.
+    # scorers of every query (H2O, Keyformer, expected attention) without a protected prefix.
     assert again[names.index("snapkv")][1] >= len(prompts[0]) - 8 - BLOCK_SIZE
     assert again[names.index("h2o")][1] == again[names.index("keyformer")][1] == 0
+    assert again[names.index("expected_attention")][1] == 0
     assert again[names.index("h2o-protected")][1] == 96
-    assert compressed_hits >= len(names) - 2
+    assert compressed_hits >= len(names) - 3
 
     # The originals stayed whole in the cache: every block computed before
     # the first compression (a streamed prompt compresses mid-prompt).
