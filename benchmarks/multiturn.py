@@ -233,8 +233,7 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
                 body["messages"] = chat
             setting = settings[label]
             if setting is not None:
-                body["vllm_xargs"] = {"kv_compress" if k == "policy" else f"kv_compress_{k}": v
-                                      for k, v in setting.items()}
+                body["vllm_xargs"] = vllm_xargs(setting)
             endpoint = "/v1/completions" if args.completion else "/v1/chat/completions"
             response = requests.post(server.url + endpoint, json=body, timeout=3600)
             response.raise_for_status()
@@ -254,6 +253,11 @@ def run_quality(args, model: str, convs: list[dict]) -> dict:
     finally:
         server.stop()
     return {"rows": rows}
+
+
+def vllm_xargs(setting: dict) -> dict:
+    """A request's kv_compress settings as the server's `vllm_xargs` (flat `kv_compress_<field>` keys)."""
+    return {"kv_compress" if k == "policy" else f"kv_compress_{k}": v for k, v in setting.items()}
 
 
 def machine_line(result: dict) -> str:

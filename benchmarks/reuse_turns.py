@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from machine import machine_info  # benchmarks/machine.py (scripts run from this folder)
-from multiturn import conversation, machine_line, paired_interval, score
+from multiturn import conversation, machine_line, paired_interval, score, vllm_xargs
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -90,8 +90,7 @@ def run_setting(args, model: str, convs: list[dict], label: str, setting: dict |
             body: dict = {"model": server.model, "messages": chat, "max_tokens": args.max_tokens, "temperature": 0,
                           "stream": True, "stream_options": {"include_usage": True}}
             if setting is not None:
-                body["vllm_xargs"] = {"kv_compress" if k == "policy" else f"kv_compress_{k}": v
-                                      for k, v in setting.items()}
+                body["vllm_xargs"] = vllm_xargs(setting)
             start = time.perf_counter()
             first, answer, usage = None, "", {}
             with requests.post(server.url + "/v1/chat/completions", json=body, stream=True, timeout=3600) as r:
@@ -207,7 +206,7 @@ def complete(server, setting: dict | None, prompt: list[int], max_tokens: int) -
 
     body: dict = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     if setting is not None:
-        body["vllm_xargs"] = {"kv_compress" if k == "policy" else f"kv_compress_{k}": v for k, v in setting.items()}
+        body["vllm_xargs"] = vllm_xargs(setting)
     start = time.perf_counter()
     r = requests.post(server.url + "/v1/completions", json=body, timeout=3600)
     r.raise_for_status()

@@ -24,7 +24,7 @@ import inspect
 import torch
 
 from vllm_kvcompress.cache_layout import CacheDType
-from vllm_kvcompress.scorers.expected_attention import QueryGeometry, unrotate
+from vllm_kvcompress.scorers.expected_attention import QueryGeometry
 from vllm_kvcompress.token_state import RequestTokens
 
 from .reference_decoder import ReferenceDecoder, dense_attention, gather_slots
@@ -131,6 +131,6 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             state.observe(c, logits[:, observed], q_positions[observed], sinks)
         else:  # expected attention: the queries themselves, turned back before RoPE
             assert decoder.geometry is not None
-            cos, sin = decoder.geometry.cos_sin(q_positions[observed])
-            state.observe_queries(c, unrotate(query[0][:, observed].transpose(0, 1), cos, sin))
+            state.observe_queries(c, decoder.geometry.unrotated(query[0][:, observed].transpose(0, 1),
+                                                                q_positions[observed]))
     return out.transpose(0, 1).unsqueeze(0).to(query.dtype), None

@@ -74,8 +74,8 @@ class ReferenceDecoder:
             layer for layer, t in enumerate(layer_types) if t == "full_attention")}
         # Expected attention's view of the compressed layers' queries: HF's RoPE
         # tables (the first half of each: NeoX's layout repeats it), HF's scale.
-        self.geometry: QueryGeometry | None = QueryGeometry(cos_sin=self._full_attention_cos_sin,
-                                      max_position=cfg.max_position_embeddings, scale=self.scale)
+        self.geometry: QueryGeometry | None = QueryGeometry(
+            cos_sin=self._full_attention_cos_sin, max_position=cfg.max_position_embeddings, scale=self.scale)
 
     # ------------------------------------------------------------ model
 

@@ -108,8 +108,9 @@ class Engine:
         return [tokens for tokens, _ in self.generate_with_hits(prompts, max_tokens, overrides)]
 
     def generate_with_hits(self, prompts: list[list[int]], max_tokens: int = 40,
-                           overrides=None) -> list[tuple[list[int], int]]:
-        """(greedy tokens, prompt tokens served from the prefix cache) per prompt."""
+                           overrides=None, salts=None) -> list[tuple[list[int], int]]:
+        """(greedy tokens, prompt tokens served from the prefix cache) per
+        prompt; `salts[i]`: prompt i's cache_salt (None: none)."""
         from vllm import SamplingParams
 
         overrides = overrides or [None] * len(prompts)
@@ -118,7 +119,9 @@ class Engine:
                            extra_args=None if o is None else {"kv_compress": o})
             for o in overrides
         ]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        inputs = [{"prompt_token_ids": p, **({"cache_salt": s} if s else {})}
+                  for p, s in zip(prompts, salts or [None] * len(prompts))]
+        outs = self.llm.generate(inputs, params, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]
 
     def stats(self) -> dict:

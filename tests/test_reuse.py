@@ -34,14 +34,7 @@ def reference(tiny_model):
 
 def run(engine, prompts, configs, salts=None):
     """(tokens, cached prompt tokens) per prompt, greedy, with each prompt's settings and cache_salt."""
-    from vllm import SamplingParams
-
-    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                             extra_args=None if c is None else {"kv_compress": c}) for c in configs]
-    inputs = [{"prompt_token_ids": p, **({"cache_salt": s} if s else {})}
-              for p, s in zip(prompts, salts or [None] * len(prompts))]
-    outs = engine.llm.generate(inputs, params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]
+    return engine.generate_with_hits(prompts, NEW_TOKENS, configs, salts)
 
 
 def reused(engine) -> dict[int, int]:

@@ -141,9 +141,7 @@ class RequestTokens:
         self.logical_len, self._tail_start, self._tail_len = saved.logical_len, saved._tail_start, saved._tail_len
         self._kept = list(saved._kept)  # replaced, never written in place
         self.attention = [None if a is None else a.clone() for a in saved.attention]
-        self.moments = [None if m is None else QueryMoments(m.count, m.total.clone(),
-                                                            None if m.outer is None else m.outer.clone())
-                        for m in saved.moments]
+        self.moments = [None if m is None else m.copy() for m in saved.moments]
         self.dead, self._num_dead = list(saved.dead), saved._num_dead
         self.num_compressions = saved.num_compressions
 
@@ -377,9 +375,9 @@ class RequestTokens:
         `keys`, `values`: the layer's cached keys and values [Hkv, T, D] (or
         what loads them, once, when the scorer reads them). Layers whose
         scores are equal (the scorer's `scores_key`) get the same tensor
-        within one compaction (callers reuse what they derive from it). The worker selects every
-        compacting request's layer in one batch instead: `to_select`, the
-        allocation's `select_batch`, then `take_selection`.
+        within one compaction (callers reuse what they derive from it). The
+        worker selects every compacting request's layer in one batch instead:
+        `to_select`, the allocation's `select_batch`, then `take_selection`.
         """
         pending = self.to_select(layer, keep, keys, values)
         selected = None if pending is None else self.plan.allocation.select_batch([pending])[0]

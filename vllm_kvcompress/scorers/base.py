@@ -217,19 +217,21 @@ class Observation:
 
     def cached_keys(self) -> torch.Tensor:
         """[num_kv_heads, T, head_dim] the layer's cached keys (float32, on the cache's device)."""
-        if self.keys is None:
-            if self.key_loader is None:
-                raise RuntimeError(f"kv_compress: no cached keys were given for layer {self.layer}")
-            self.keys = self.key_loader()
+        self.keys = self._loaded(self.keys, self.key_loader, "keys")
         return self.keys
 
     def cached_values(self) -> torch.Tensor:
         """[num_kv_heads, T, head_dim] the layer's cached values (float32, on the cache's device)."""
-        if self.values is None:
-            if self.value_loader is None:
-                raise RuntimeError(f"kv_compress: no cached values were given for layer {self.layer}")
-            self.values = self.value_loader()
+        self.values = self._loaded(self.values, self.value_loader, "values")
         return self.values
+
+    def _loaded(self, given: torch.Tensor | None, loader: Callable[[], torch.Tensor] | None,
+                what: str) -> torch.Tensor:
+        if given is not None:
+            return given
+        if loader is None:
+            raise RuntimeError(f"kv_compress: no cached {what} were given for layer {self.layer}")
+        return loader()
 
     @property
     def first_kv_head(self) -> int:

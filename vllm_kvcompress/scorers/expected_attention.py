@@ -98,6 +98,9 @@ class QueryMoments:
         if self.outer is not None:
             self.outer += torch.einsum("nhd,nhe->hde", q, q)
 
+    def copy(self) -> QueryMoments:
+        return QueryMoments(self.count, self.total.clone(), None if self.outer is None else self.outer.clone())
+
 
 @dataclass(frozen=True)
 class QueryGeometry:
@@ -113,13 +116,16 @@ class QueryGeometry:
     max_position: int
     scale: float
 
+    def unrotated(self, queries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[n, H, D] queries after RoPE at logical `positions` [n] -> before it (`unrotate`)."""
+        return unrotate(queries, *self.cos_sin(positions))
+
 
 @dataclass
 class ExpectedQueries:
     """What expected attention knows of one layer's queries to come: the
     observed moments, and the rotation they will be at (averaged)."""
 
-    count: int
     mean: torch.Tensor  # [Hq, D], rotated to the future positions
     covariance: torch.Tensor | None  # [Hq, D, D], rotated
     scale: float
@@ -141,7 +147,7 @@ class ExpectedQueries:
         if moments.outer is not None:
             centred = moments.outer / count - mean.unsqueeze(-1) * mean.unsqueeze(-2)
             covariance = turn @ centred @ turn.T
-        return cls(moments.count, mean @ turn.T, covariance, geometry.scale)
+        return cls(mean @ turn.T, covariance, geometry.scale)
 
 
 def average_rotation(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -255,8 +255,7 @@ def check_model(vllm_config) -> None:
         raise KVCompressConfigError(str(e)) from None
     parts = config.components()
     if parts is not None:
-        hybrid = num_layers != model.get_num_layers(vllm_config.parallel_config)
-        problem = parts.merge.problem(num_layers, config.num_layer_groups, hybrid)
+        problem = parts.merge.problem(num_layers, config.num_layer_groups, has_uncompressed_layers(vllm_config))
         if problem is not None:
             raise KVCompressConfigError(f"{CONFIG_KEY}.merge: {problem}")
         problem = parts.allocation.problem(num_layers)
@@ -268,15 +267,19 @@ def check_model(vllm_config) -> None:
             raise KVCompressConfigError(f"{CONFIG_KEY}.reuse: {problem}")
 
 
+def has_uncompressed_layers(vllm_config) -> bool:
+    """Whether some layers of the model do not compress (a sliding-window or linear-attention hybrid)."""
+    return engine_limits(vllm_config).num_layers != vllm_config.model_config.get_num_layers(
+        vllm_config.parallel_config)
+
+
 def reuse_problem(vllm_config) -> str | None:
     """Why this engine cannot keep compressed states for later requests (None: it can)."""
     if not vllm_config.cache_config.enable_prefix_caching:
         return "needs prefix caching (the engine runs with it off: drop --no-enable-prefix-caching)"
-    model = vllm_config.model_config
-    num_layers = full_attention_layers(model)
-    if num_layers is not None and num_layers != model.get_num_layers(vllm_config.parallel_config):
+    if has_uncompressed_layers(vllm_config):
         return ("a model with layers that do not compress (sliding-window or linear attention: "
-                f"{model.hf_text_config.model_type}) is not served")
+                f"{vllm_config.model_config.hf_text_config.model_type}) is not served")
     return None
 
 

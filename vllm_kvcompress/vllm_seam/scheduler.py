@@ -149,7 +149,7 @@ class KVCompressScheduler(Scheduler):
         self._kvc_began: dict[str, str | None] = {}
         # The blocks of its state a request that started from one holds until
         # it ends (preempted too: it resumes from the same state).
-        self._kvc_pins: dict[str, list] = {}
+        self._kvc_pins: dict[str, tuple[str, list]] = {}
         self._kvc_saved_now: dict[str, tuple[tuple[str, int], ...]] = {}  # for the next step's plan (StepPlan.saved)
         self._kvc_dropped: list[str] = []
         logger.info("kv_compress scheduler ready (pid %d): %s, block %d, compressing %d of %d KV cache group(s)",
@@ -384,15 +384,15 @@ class KVCompressScheduler(Scheduler):
 
     def _get_local_prefix_cache_hit(self, request, *args, **kwargs):
         state = self._request_state(request)
+        limit = args[0] if args else kwargs.get("max_cache_hit_length")  # vLLM 0.33+'s own cap
         if request.request_id in self._kvc_fingerprint:
-            limit = args[0] if args else kwargs.get("max_cache_hit_length")
             hit = self._saved_state_hit(request, state, limit)
             if hit is not None:
                 return hit
         cap = state.longest_prefix_hit()
         if args or "max_cache_hit_length" in kwargs:
             # vLLM 0.33+: the hit's cap is vLLM's own parameter; ours joins it.
-            limit = kwargs.pop("max_cache_hit_length", None) if not args else args[0]
+            kwargs.pop("max_cache_hit_length", None)
             if cap is not None:
                 limit = cap if limit is None else min(limit, cap)
             return super()._get_local_prefix_cache_hit(request, limit, *args[1:], **kwargs)
@@ -462,10 +462,12 @@ class KVCompressScheduler(Scheduler):
             if rid not in self._kvc_pins:
                 blocks = found.all_blocks()
                 self.kv_cache_manager.block_pool.touch(blocks)
-                self._kvc_pins[rid] = [found.key, blocks]
+                self._kvc_pins[rid] = (found.key, blocks)
                 self.kvc_stats.reused(rid, found.length)
-        for rid in self._kvc_fingerprint.keys() & scheduled.keys() - self._kvc_began.keys():
-            self._kvc_began[rid] = attaching[rid].key if rid in attaching else None
+        # Per request with reuse not yet begun (not per running request: a step's cost).
+        for rid in self._kvc_fingerprint.keys() - self._kvc_began.keys():
+            if rid in scheduled:
+                self._kvc_began[rid] = attaching[rid].key if rid in attaching else None
         return restored
 
     def _save_state(self, request) -> None:

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...host_reads import upload
-from ...scorers.expected_attention import unrotate
 from ...token_state import RequestTokens, SpeculativeQueries
 from ..groups import layer_index
 
@@ -59,7 +58,7 @@ def _score_accepted(worker: WorkerCompression, rid: str, state: RequestTokens,
     for layer, held in accepted.items():
         if not state.scorer.observe.scores_attention():  # expected attention: the queries themselves
             assert worker.geometry is not None  # a request without it fails at its start
-            state.observe_queries(layer, unrotate(held.queries, *worker.geometry.cos_sin(upload(held.logical, device))))
+            state.observe_queries(layer, worker.geometry.unrotated(held.queries, upload(held.logical, device)))
             continue
         group = worker.group_of_layer[layer]
         # The tail is contiguous: a query's slot is its position less the layer's evictions.
