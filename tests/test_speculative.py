@@ -39,6 +39,8 @@ SETTINGS = [
     {"policy": "rkv", "budget": 64},  # the window of queries before each compression
     {"policy": "adakv", "budget": 64},  # per-head budgets (masked attention)
     {"policy": "streamingllm", "budget": 48, "interval": 8},  # observes nothing
+    # Rolling: accepted drafts' queries, turned back before RoPE, join the moments.
+    {"policy": "expected_attention", "budget": 64, "trigger": "rolling", "interval": 16},
 ]
 PROMPTS_PER_SETTING = 2
 
