@@ -181,9 +181,10 @@ BF16_LONG_DEFICIT = 0.75  # over PREEMPTED_NEW_TOKENS
 POSITIONAL = ("random", "streamingllm")
 
 
-def worst_deficit(model: str, new_tokens: int):
+def worst_deficit(model: str, new_tokens: int, block_size: int = 32):
     """(prompt, config, engine tokens) -> the largest deficit of those tokens
-    fed to the bfloat16 reference with that config's compression."""
+    fed to the bfloat16 reference with that config's compression (at the
+    engine's block size: where chunks and rolling evictions fall)."""
     import torch
 
     from kvc_tools.reference_decoder import ReferenceDecoder
@@ -192,7 +193,7 @@ def worst_deficit(model: str, new_tokens: int):
 
     def worst(prompt, config, tokens) -> float:
         cfg = KVCompressConfig.from_dict(config) if config else None
-        return max(reference.generate(prompt, new_tokens, cfg, block_size=32, forced=tokens)["deficits"])
+        return max(reference.generate(prompt, new_tokens, cfg, block_size=block_size, forced=tokens)["deficits"])
 
     return worst
 
@@ -221,6 +222,40 @@ def test_qwen3_next_compresses_beside_its_deltanet_state(qwen3_next):
     compressed = [r for r in stats["requests"].values() if r["tokens_evicted"] > 0]
     assert len(compressed) == 1 and compressed[0]["blocks_freed"] > 0, stats["requests"]
     assert stats["free_blocks"] == stats["total_blocks"]
+
+
+@pytest.mark.mrv2
+def test_qwen3_next_compaction_zeroes_its_fresh_blocks(qwen3_next):
+    """A hybrid's attention blocks share memory with its Gated DeltaNet
+    state: a free block may hold a state's bytes, which read as keys and
+    values are NaN, and a NaN past the kept tokens survives the masked
+    slot's zero weight. vLLM zeroes the blocks it allocates; a compaction
+    that copies (its prompt hit the prefix cache) takes fresh blocks
+    itself. Here every free block is filled with NaN first (what a state
+    left there reads as): vLLM's own requests and a compressed one whose
+    kept tokens end mid-block give the tokens they give on a clean pool."""
+    import torch
+
+    from helpers import in_process_engine
+
+    prompt = random_prompts((186,), seed=201)[0]  # its prompt's full blocks cached, at 32 or 64 tokens a block
+    settings = [None, {"policy": "streamingllm", "budget": 48}, {"policy": "snapkv", "budget": 80, "window": 8}]
+    with in_process_engine(**engine_kwargs(qwen3_next, kv_compress="none", dtype="bfloat16", max_model_len=512,
+                                           enable_prefix_caching=True, num_gpu_blocks_override=64)) as engine:
+        clean = [engine.generate_with_hits([prompt], NEW_TOKENS, [c])[0] for c in settings]
+        core = engine.llm.llm_engine.engine_core.engine_core
+        pool = core.scheduler.kv_cache_manager.block_pool
+        stale = [b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0 and b.block_hash is None]
+        context = core.vllm_config.compilation_config.static_forward_context
+        for name, layer in context.items():
+            if name.endswith(".attn") and isinstance(layer.kv_cache, torch.Tensor):
+                layer.kv_cache[stale] = float("nan")
+        poisoned = [engine.generate_with_hits([prompt], NEW_TOKENS, [c])[0] for c in settings]
+        stats = engine.stats()
+    assert stale and all(hit for _, hit in poisoned), "the prompt was meant to hit its cached blocks"
+    assert sum(r["tokens_evicted"] > 0 for r in stats["requests"].values()) == 4
+    for config, (want, _), (tokens, hit) in zip(settings, clean, poisoned):
+        assert tokens == want, f"{config} (hit {hit}) read stale bytes from a fresh block"
 
 
 @pytest.mark.extended  # ~60 s (bfloat16 on CPU, a reference pass per request and policy)
@@ -253,13 +288,23 @@ def test_qwen3_next_every_policy_follows_the_reference(qwen3_next):
 def test_qwen3_next_prefix_caching_and_preemption(start_engine, qwen3_next):
     """Prefix caching on and a pool too small for the batch: requests share a
     system prompt, vLLM's Gated DeltaNet state and the compressed attention
-    layers are recomputed after preemption. Each request gives exactly the
-    tokens it gives alone, and they stay within BF16_LONG_DEFICIT of its
-    reference (bfloat16's drift over 96 tokens: up to 0.44 measured, an
-    uncompressed request's too)."""
+    layers are recomputed after preemption. Each request's tokens, batched
+    and preempted or alone, stay within BF16_LONG_DEFICIT of its reference
+    (bfloat16's drift over 96 tokens: up to 0.44 measured, an uncompressed
+    request's too). Batched and alone they may part at a near tie: a resumed
+    request recomputes its DeltaNet state and attention in other chunks than
+    alone, and in bfloat16 that moves logits by a few hundredths (measured:
+    both tokens within 0.06 of the reference's best where they part).
+
+    vLLM sizes the attention blocks so that one holds a DeltaNet state: 32
+    tokens with a bfloat16 state, 64 with a float32 one, which it chooses
+    itself on CPUs with AVX-512 BF16. The state is float32 here on every CPU,
+    and the pool is GPT_OSS_BLOCKS' tokens in 64-token blocks."""
     engine = start_engine(**engine_kwargs(qwen3_next, kv_compress="none", dtype="bfloat16",
-                                          enable_prefix_caching=True, num_gpu_blocks_override=GPT_OSS_BLOCKS,
-                                          max_model_len=512))
+                                          enable_prefix_caching=True, mamba_ssm_cache_dtype="float32",
+                                          num_gpu_blocks_override=GPT_OSS_BLOCKS // 2, max_model_len=512))
+    block_size = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    assert block_size == 64, f"attention blocks of {block_size} tokens: the pool was sized for 64"
     system = random_prompts((96,), seed=93)[0]
     fillers = random_prompts([220] * 3, seed=94)
     fillers[0] = system + fillers[0][len(system):]
@@ -274,10 +319,11 @@ def test_qwen3_next_prefix_caching_and_preemption(start_engine, qwen3_next):
     assert any(r["finished"] and r["tokens_evicted"] for k, r in stats["requests"].items() if k in preempted)
     assert stats["free_blocks"] == stats["total_blocks"]
     alone = [engine.generate([p], PREEMPTED_NEW_TOKENS, [c])[0] for p, c in zip(prompts, configs)]
-    worst = worst_deficit(qwen3_next, PREEMPTED_NEW_TOKENS)
+    worst = worst_deficit(qwen3_next, PREEMPTED_NEW_TOKENS, block_size)
     for prompt, config, (tokens, cached), single in zip(prompts, configs, got, alone):
-        assert tokens == single, f"{config} hit {cached}: preempted or batched, another answer than alone"
         assert worst(prompt, config, tokens) <= BF16_LONG_DEFICIT, f"{config} hit {cached}"
+        if tokens != single:
+            assert worst(prompt, config, single) <= BF16_LONG_DEFICIT, f"{config} alone"
 
 
 @pytest.mark.extended  # a TP 2 engine: ~60 s

@@ -73,6 +73,8 @@ attribute | {_SCHED}.vllm_config | 0.32-0.34 | read in __init__ (additional_conf
 attribute | {_SCHED}.kv_cache_config | 0.32-0.34 | read in __init__ (kv_cache_groups)
 attribute | vllm.v1.kv_cache_interface:KVCacheConfig.num_blocks | 0.32-0.34 | bytes per block (stats)
 attribute | vllm.v1.kv_cache_interface:KVCacheConfig.kv_cache_tensors | 0.32-0.34 | bytes per block (stats)
+attribute | vllm.v1.kv_cache_interface:KVCacheConfig.needs_kv_cache_zeroing | 0.32-0.34
+    | a compaction's fresh blocks zeroed as vLLM zeroes its own (hybrids: stale state bytes)
 attribute | vllm.v1.kv_cache_interface:KVCacheTensor.size | 0.32-0.34 | bytes per block (stats)
 attribute | {_SCHED}.kv_cache_manager | 0.32-0.34 | block pool, coordinator, managers
 attribute | {_SCHED}.requests | 0.32-0.34 | request by id

@@ -34,9 +34,6 @@ class InjectedFault(RuntimeError):
     """The failure FAULT_ENV asks for."""
 
 
-
-
-
 def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -> None:
     """Compact every layer of these requests to their KV cache groups' new
     lengths (one kernel op per layer for all of them); truncate each group's table.
@@ -83,6 +80,9 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
                 copied[i, g] = (copy.first_block * bs, len(copy.fresh_blocks) * bs)
         tables[g] = padded(rows, device)
         op_tables[g] = tables[g] if not any(k[1] == g for k in copied) else padded(op_rows, device)
+    # Blocks that receive kept tokens and hold stale bytes past them (`zero_fresh_blocks`).
+    fresh = {g: upload(torch.tensor(ids, dtype=torch.int64), device) for g, ids in _fresh_blocks(
+        compactions, worker.num_groups).items()} if worker.zero_fresh_blocks else {}
     # MiniCache pairs merge at their first compaction: both layers of a
     # pair leave the batched op, and are written once both are selected.
     merging = [{layer for pair in state.lower_of.items() for layer in pair} if state and not state.merged
@@ -91,13 +91,16 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
     for layer in range(worker.num_layers):
         g = worker.group_of_layer[layer]
         keys, values = worker.views(worker.layers[layer].kv_cache)
+        followers = [d for d in worker.draft_layers if d.follows == layer]
+        if g in fresh:
+            for cache in (keys, values, *(v for d in followers for v in worker.views(d.module.kv_cache))):
+                cache.index_fill_(0, fresh[g], 0)
         keeps = _select_layer(worker, compactions, states, live, layer, keys, values, tables[g])
         kept_rows = {i: k for i, k in enumerate(keeps) if k is not None and live[i]}
         selected = {i: k for i, k in kept_rows.items() if layer not in merging[i]}
         op_inputs = _op_inputs(worker, selected, copied, op_tables[g], g, len(keeps)) if selected else None
         if op_inputs is not None:
             worker.ops.compact_kv_batched(keys, values, *op_inputs)
-        followers = [d for d in worker.draft_layers if d.follows == layer]
         if followers and kept_rows:
             # A draft model's layers keep what this layer keeps (speculation.py),
             # merged pairs included (their kept order is their slot order).
@@ -136,6 +139,17 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
             del ids[g][cdiv(new_len, worker.block_size):]
             first_changed = len(ids[g]) if copy is None else min(copy.first_block, len(ids[g]))
             worker.runner.refill_row(c.request_id, worker.vllm_groups[g], ids[g], first_changed)
+
+
+def _fresh_blocks(compactions: list[Compaction], num_groups: int) -> dict[int, list[int]]:
+    """The fresh blocks of the step's copying compactions, per group that has any."""
+    fresh: dict[int, list[int]] = {}
+    for c in compactions:
+        for g in range(num_groups):
+            copy = c.copies[g] if c.copies else None
+            if copy is not None:
+                fresh.setdefault(g, []).extend(copy.fresh_blocks)
+    return fresh
 
 
 def _op_inputs(worker: WorkerCompression, selected: dict[int, torch.Tensor],

@@ -93,6 +93,12 @@ class WorkerCompression:
         cache_dtype = cache_dtype_of(layers, backend)
         self.setup(view, layers, compressed.group_of_layer, compressed.vllm_groups, compressed.num_vllm_groups,
                    block_size, LAYOUTS[backend], tensor_parallel_shard(), cache_dtype)
+        # vLLM zeroes the attention blocks it allocates where a block may
+        # last have held another group's bytes (a Gated DeltaNet state: read
+        # as keys and values, NaN that a masked slot's zero weight keeps);
+        # a compaction's fresh blocks come from the pool past that, so it
+        # zeroes them itself.
+        self.zero_fresh_blocks = bool(runner.kv_cache_config.needs_kv_cache_zeroing)
         if drafts:
             # vLLM's draft proposer reads group 0's metadata and block tables.
             outside = sorted(set(drafts) - set(groups[0].layer_names))
@@ -185,6 +191,7 @@ class WorkerCompression:
         fault = os.environ.get(FAULT_ENV, "")
         self.fault_prompt_len = int(fault) if fault.isdigit() else None
         self.heap = HeapTrimmer()  # freed host memory back to the system (heap.py)
+        self.zero_fresh_blocks = False  # the cache's unwritten slots may hold NaN (__init__)
         # How the model turns its queries (expected attention), or why it is not known.
         self.geometry = None
         self.no_geometry = "no model given"
