@@ -302,6 +302,19 @@ class Scorer(Component):
         """Observe.QUERIES: whether the queries' covariance is kept beside their mean."""
         return False
 
+    def observes_queries(self) -> bool:
+        """Whether it observes the queries themselves (Observe.QUERIES), not attention."""
+        return self.observe.attends() and not self.observe.scores_attention()
+
+    def query_moments_bytes(self, num_layers: int, num_q_heads: int, head_dim: int) -> int:
+        """Bytes of one request's query moments (`QueryMoments`: float32
+        sums, [Hq, D] per layer and, with the covariance, [Hq, D, D]), on the
+        device from its first prompt chunk to its compression (to its end
+        under a repeating trigger); 0 where no queries are observed."""
+        if not self.observes_queries():
+            return 0
+        return 4 * num_layers * num_q_heads * head_dim * (1 + (head_dim if self.query_covariance() else 0))
+
     def observed_from(self) -> int:
         """Queries at logical positions below this are never observed (expected
         attention leaves its sinks' queries out of the statistics)."""

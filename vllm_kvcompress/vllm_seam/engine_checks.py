@@ -273,6 +273,43 @@ def has_uncompressed_layers(vllm_config) -> bool:
         vllm_config.parallel_config)
 
 
+def query_moments_bytes(vllm_config, config: KVCompressConfig) -> int:
+    """Bytes of one request's query moments under `config` on one
+    tensor-parallel rank (its query heads, every compressed layer); 0 for
+    scorers that observe no queries."""
+    parts = config.components()
+    if parts is None:
+        return 0
+    model = vllm_config.model_config
+    return parts.scorer.query_moments_bytes(engine_limits(vllm_config).num_layers,
+                                            model.get_num_attention_heads(vllm_config.parallel_config),
+                                            model.get_head_size())
+
+
+def query_moments_problem(vllm_config, engine: KVCompressConfig, request: KVCompressConfig) -> str | None:
+    """Why a request's scorer cannot keep its query moments on this engine (None: it can).
+
+    On CUDA the worker holds the engine setting's moments aside for every
+    request (`wrap_determine_available_memory`): a request asking for more
+    (expected attention where the engine runs another scorer, or its
+    covariance where the engine keeps the mean) would take memory the KV
+    cache was given. The CPU cache is sized apart from host memory, and a
+    KV cache sized in bytes by the user has everything else on top.
+    """
+    if vllm_config.device_config.device_type != "cuda" or vllm_config.cache_config.kv_cache_memory_bytes:
+        return None
+    wanted, held = query_moments_bytes(vllm_config, request), query_moments_bytes(vllm_config, engine)
+    if wanted <= held:
+        return None
+    parts = request.components()
+    field, value = (("statistics", getattr(parts.scorer, "statistics", None)) if engine.policy == request.policy
+                    and parts is not None else ("policy", request.policy))
+    return (f"{CONFIG_KEY}.{field}: {value!r} keeps its "
+            f"observed queries' moments on the GPU ({wanted / 2**20:.1f} MiB per request here, "
+            f"{held / 2**20:.1f} MiB held for each at startup by the engine's setting); start the engine "
+            f"with it to serve it per request")
+
+
 def reuse_problem(vllm_config) -> str | None:
     """Why this engine cannot keep compressed states for later requests (None: it can)."""
     if not vllm_config.cache_config.enable_prefix_caching:

@@ -294,6 +294,8 @@ attribute | vllm.config.model:ModelConfig.is_hybrid | 0.32-0.34 | refused
 attribute | vllm.config.model:ModelConfig.is_attention_free | 0.32-0.34 | refused
 attribute | vllm.config.model:ModelConfig.max_model_len | 0.32-0.34 | limits
 attribute | vllm.config.cache:CacheConfig.kv_cache_memory_bytes | 0.32-0.34 | score memory (CUDA)
+attribute | vllm.config.vllm:VllmConfig.scheduler_config | 0.32-0.34 | query moments memory (CUDA)
+attribute | vllm.config.scheduler:SchedulerConfig.max_num_seqs | 0.32-0.34 | query moments memory (CUDA)
 attribute | vllm.config.cache:CacheConfig.cache_dtype | 0.32-0.34 | score memory (CUDA)
 attribute | vllm.config.parallel:ParallelConfig.tensor_parallel_size | 0.32-0.34 | KV head check
 attribute | {_V1}.vllm_config | 0.32-0.33 | V1 runner: the config

@@ -22,7 +22,7 @@ from ..config import (
     looks_like_ours,
     request_overrides,
 )
-from .engine_checks import engine_limits, reuse_problem
+from .engine_checks import engine_limits, query_moments_problem, reuse_problem
 
 
 def wrap_process_inputs(original):
@@ -52,7 +52,11 @@ def wrap_process_inputs(original):
                 raise KVCompressConfigError(
                     "kv_compress: this engine was started without kv_compress; start it with "
                     "--kv-compress POLICY (or --kv-compress none) to allow per-request compression")
-            config = KVCompressConfig.from_dict(engine).merged(overrides, limits=limits)
+            engine_config = KVCompressConfig.from_dict(engine)
+            config = engine_config.merged(overrides, limits=limits)
+            problem = query_moments_problem(self.vllm_config, engine_config, config)
+            if problem is not None:
+                raise KVCompressConfigError(problem)
             prompt_len = (len(request.prompt_token_ids) if request.prompt_token_ids is not None
                           else len(request.prompt_embeds))
             if config.reuse:

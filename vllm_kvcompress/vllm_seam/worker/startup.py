@@ -12,10 +12,11 @@ import logging
 import torch
 
 from ...cache_layout import CACHE_DTYPES, CacheDType
-from ...config import CONFIG_KEY
+from ...config import CONFIG_KEY, KVCompressConfig
 from ...scorers.expected_attention import QueryGeometry
 from ...sharding import ONE_DEVICE, HeadShard
 from ...token_state import score_bytes_per_kv_byte, selection_scratch_bytes
+from ..engine_checks import query_moments_bytes
 
 logger = logging.getLogger("vllm.kvcompress")  # under vLLM's configured logger
 
@@ -210,10 +211,15 @@ def wrap_determine_available_memory(original):
         ratio = score_bytes_per_kv_byte(q_heads, kv_heads, model.get_head_size(), model.dtype.itemsize)
         # The selection's transient scratch is held aside too (its bound: selection_scratch_bytes).
         scratch = selection_scratch_bytes(model.max_model_len, q_heads, kv_heads, model.get_head_size())
-        kept = int(max(available - scratch, 0) / (1 + ratio))
+        # And the query moments of the engine's scorer (expected attention),
+        # for every request that may run (a request asking for more is refused).
+        moments = self.vllm_config.scheduler_config.max_num_seqs * query_moments_bytes(
+            self.vllm_config, KVCompressConfig.from_dict(self.vllm_config.additional_config[CONFIG_KEY]))
+        kept = int(max(available - scratch - moments, 0) / (1 + ratio))
         logger.info("kv_compress: %.2f GiB of %.2f GiB left for the KV cache; %.2f GiB for scores "
-                    "(%.1f%% of the KV bytes) and %.2f GiB of selection scratch", kept / 2**30, available / 2**30,
-                    (available - scratch - kept) / 2**30, 100 * ratio, scratch / 2**30)
+                    "(%.1f%% of the KV bytes), %.2f GiB of selection scratch and %.2f GiB of query moments",
+                    kept / 2**30, available / 2**30, (available - scratch - moments - kept) / 2**30, 100 * ratio,
+                    scratch / 2**30, moments / 2**30)
         return kept
 
     return determine_available_memory

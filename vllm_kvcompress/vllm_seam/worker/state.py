@@ -113,7 +113,7 @@ class WorkerCompression:
         geometry, self.no_geometry = query_geometry(runner.get_model(), layers, self.scales)
         self.geometry: QueryGeometry | None = geometry
         parts = config.components()
-        if parts is not None and self.geometry is None and _observes_queries(parts.scorer):
+        if parts is not None and self.geometry is None and parts.scorer.observes_queries():
             raise RuntimeError(f"kv_compress: scorer {parts.scorer.name!r} (policy {config.policy!r}) cannot serve "
                                f"this model: {self.no_geometry}")
         # The attention backend and the metadata builders find this worker on
@@ -255,7 +255,7 @@ class WorkerCompression:
             if started.plan is not None:
                 with self.isolated(started.request_id, "start"):
                     scorer = started.plan.scorer
-                    if self.geometry is None and _observes_queries(scorer):
+                    if self.geometry is None and scorer.observes_queries():
                         raise RuntimeError(f"scorer {scorer.name!r} cannot serve this model: {self.no_geometry}")
                     tokens = RequestTokens(started.plan, self.num_layers, self.num_kv_heads, self.num_q_heads,
                                            self.shard, self.device, self.geometry)
@@ -299,11 +299,6 @@ class WorkerCompression:
         self.step = None
         self.metadata_edits = None
         self.draft_slots = None
-
-
-def _observes_queries(scorer) -> bool:
-    """Whether a scorer observes the queries themselves (expected attention)."""
-    return scorer.observe.attends() and not scorer.observe.scores_attention()
 
 
 def gather_failed(failed: list[str]) -> list[str]:
