@@ -181,7 +181,7 @@ BF16_LONG_DEFICIT = 0.75  # over PREEMPTED_NEW_TOKENS
 POSITIONAL = ("random", "streamingllm")
 
 
-def worst_deficit(model: str, new_tokens: int, block_size: int = 32):
+def worst_deficit(model: str, new_tokens: int, block_size: int):
     """(prompt, config, engine tokens) -> the largest deficit of those tokens
     fed to the bfloat16 reference with that config's compression (at the
     engine's block size: where chunks and rolling evictions fall)."""
@@ -196,6 +196,15 @@ def worst_deficit(model: str, new_tokens: int, block_size: int = 32):
         return max(reference.generate(prompt, new_tokens, cfg, block_size=block_size, forced=tokens)["deficits"])
 
     return worst
+
+
+# vLLM sizes a Gated DeltaNet hybrid's attention blocks so that one holds a
+# layer's state: 32 tokens of the tiny Qwen3-Next with a bfloat16 state, 64
+# with a float32 one, which vLLM picks itself on CPUs with AVX-512 BF16. The
+# tests pin the float32 state, so that engine and reference agree on 64-token
+# blocks (where chunks end and rolling evictions fall) on every CPU.
+QWEN3_NEXT_STATE = {"mamba_ssm_cache_dtype": "float32"}
+QWEN3_NEXT_BLOCK = 64
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +283,8 @@ def test_qwen3_next_every_policy_follows_the_reference(qwen3_next):
     names = POLICY_NAMES + ["pyramidkv", "adaptive"]
     prompts, configs, got = run_every_policy(qwen3_next, 67, names, shortest=300, longest=400,
                                              per_request={"layer_groups": 2}, dtype="bfloat16",
-                                             kv_compress_layer_groups=2)
-    worst = worst_deficit(qwen3_next, NEW_TOKENS)
+                                             kv_compress_layer_groups=2, **QWEN3_NEXT_STATE)
+    worst = worst_deficit(qwen3_next, NEW_TOKENS, QWEN3_NEXT_BLOCK)
     own = {i: worst(p, c, t) for i, (p, c, t) in enumerate(zip(prompts, configs, got))}
     for i in (-2, -1, *(i for i, name in enumerate(names) if name in POSITIONAL)):
         assert own[i % len(configs)] <= BF16_DEFICIT, (configs[i], own[i % len(configs)])
@@ -296,15 +305,13 @@ def test_qwen3_next_prefix_caching_and_preemption(start_engine, qwen3_next):
     alone, and in bfloat16 that moves logits by a few hundredths (measured:
     both tokens within 0.06 of the reference's best where they part).
 
-    vLLM sizes the attention blocks so that one holds a DeltaNet state: 32
-    tokens with a bfloat16 state, 64 with a float32 one, which it chooses
-    itself on CPUs with AVX-512 BF16. The state is float32 here on every CPU,
-    and the pool is GPT_OSS_BLOCKS' tokens in 64-token blocks."""
+    The pool holds GPT_OSS_BLOCKS' tokens (32-token blocks) in QWEN3_NEXT_BLOCK ones."""
     engine = start_engine(**engine_kwargs(qwen3_next, kv_compress="none", dtype="bfloat16",
-                                          enable_prefix_caching=True, mamba_ssm_cache_dtype="float32",
-                                          num_gpu_blocks_override=GPT_OSS_BLOCKS // 2, max_model_len=512))
+                                          enable_prefix_caching=True, **QWEN3_NEXT_STATE,
+                                          num_gpu_blocks_override=GPT_OSS_BLOCKS * 32 // QWEN3_NEXT_BLOCK,
+                                          max_model_len=512))
     block_size = engine.llm.llm_engine.vllm_config.cache_config.block_size
-    assert block_size == 64, f"attention blocks of {block_size} tokens: the pool was sized for 64"
+    assert block_size == QWEN3_NEXT_BLOCK, f"attention blocks of {block_size} tokens, the pool sized for 64"
     system = random_prompts((96,), seed=93)[0]
     fillers = random_prompts([220] * 3, seed=94)
     fillers[0] = system + fillers[0][len(system):]
@@ -319,7 +326,7 @@ def test_qwen3_next_prefix_caching_and_preemption(start_engine, qwen3_next):
     assert any(r["finished"] and r["tokens_evicted"] for k, r in stats["requests"].items() if k in preempted)
     assert stats["free_blocks"] == stats["total_blocks"]
     alone = [engine.generate([p], PREEMPTED_NEW_TOKENS, [c])[0] for p, c in zip(prompts, configs)]
-    worst = worst_deficit(qwen3_next, PREEMPTED_NEW_TOKENS, block_size)
+    worst = worst_deficit(qwen3_next, PREEMPTED_NEW_TOKENS, QWEN3_NEXT_BLOCK)
     for prompt, config, (tokens, cached), single in zip(prompts, configs, got, alone):
         assert worst(prompt, config, tokens) <= BF16_LONG_DEFICIT, f"{config} hit {cached}"
         if tokens != single:
