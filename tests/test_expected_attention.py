@@ -176,6 +176,9 @@ def test_geometry_refuses_what_it_cannot_turn_back():
             if rope is not None:
                 self.rotary_emb = rope
 
+        def forward(self, positions, q, k):
+            return self.attn(*self.rotary_emb(positions, q, k))
+
     def geometry(*ropes):
         model = torch.nn.ModuleList([Block(f"layer{i}", rope) for i, rope in enumerate(ropes)])
         return query_geometry(model, [block.attn for block in model], [0.25] * len(ropes))
@@ -198,3 +201,49 @@ def test_geometry_refuses_what_it_cannot_turn_back():
     assert geometry(gptj)[1] == "GPT-J-style (interleaved) rotary embedding"
     assert geometry(own_forward)[1] == "rotary embedding OwnForward (not a table indexed by position alone)"
     assert geometry(neox, None)[1] == "no rotary embedding found beside layer layer1"
+
+
+def _bare(module: str, cls: str, **attrs) -> torch.nn.Module:
+    """One of vLLM's attention modules, not built (no weights): only the
+    attributes its forward's conditions read, set."""
+    import importlib
+
+    kind = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)
+    bare = kind.__new__(kind)
+    torch.nn.Module.__init__(bare)
+    for name, value in attrs.items():
+        object.__setattr__(bare, name, value)
+    return bare
+
+
+@pytest.mark.parametrize("module,cls,attrs,turned", [
+    ("llama", "LlamaAttention", {}, True),
+    ("qwen3", "Qwen3Attention", {}, True),
+    ("gpt_oss", "OAIAttention", {}, True),
+    ("gemma3", "Gemma3Attention", {}, True),
+    # Through a helper, eager or fused (its table handed to the kernel).
+    ("qwen3_next", "Qwen3NextAttention", {"use_fused_qk_norm_rope_gate": False, "attn_output_gate": True}, True),
+    ("qwen3_next", "Qwen3NextAttention", {"use_fused_qk_norm_rope_gate": True, "attn_output_gate": True}, True),
+    ("gemma4", "Gemma4Attention", {"is_kv_shared_layer": False}, True),  # both branches turn
+    # EXAONE 4 and Cohere 2: the full-attention layers (the compressed ones) are NoPE.
+    ("exaone4", "Exaone4Attention", {"sliding_window": None, "apply_rope_all_layers": False}, False),
+    ("exaone4", "Exaone4Attention", {"sliding_window": 4096, "apply_rope_all_layers": False}, True),
+    ("exaone4", "Exaone4Attention", {"sliding_window": None, "apply_rope_all_layers": True}, True),
+    ("commandr", "CohereAttention", {"v1": False, "sliding_window": None}, False),
+    ("commandr", "CohereAttention", {"v1": True, "sliding_window": None}, True),
+    ("granite", "GraniteAttention", {"use_rope": True}, True),
+    ("granite", "GraniteAttention", {"use_rope": False}, False),
+    ("exaone4", "Exaone4Attention", {"apply_rope_all_layers": False}, False),  # a condition not decided here
+])
+def test_rope_read_from_the_forward_per_layer(module, cls, attrs, turned):
+    """Expected attention turns observed queries back by the layer's RoPE:
+    a layer whose forward leaves them unturned (EXAONE 4's and Cohere 2's
+    full-attention layers beside RoPE'd sliding ones: NoPE) would be turned
+    back wrongly, so the forward's code is read with the layer's own
+    attributes, and a path without RoPE, or one it cannot decide, refuses."""
+    from vllm_kvcompress.vllm_seam.worker.startup import rope_not_applied
+
+    problem = rope_not_applied(_bare(module, cls, **attrs))
+    assert (problem is None) == turned, problem
+    if not turned:
+        assert problem == f"{cls}.forward does not turn this layer's queries by RoPE on every path"

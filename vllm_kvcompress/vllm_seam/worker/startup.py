@@ -138,10 +138,11 @@ def query_geometry(model, layers, scales: list[float]) -> tuple[QueryGeometry | 
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
     rotary_of: dict[str, torch.nn.Module] = {}
+    owner_of: dict[str, torch.nn.Module] = {}
     for module in torch.nn.Module.modules(model):  # torch's, called on the model (not an attribute of vLLM's)
         rotary, name = getattr(module, "rotary_emb", None), getattr(getattr(module, "attn", None), "layer_name", None)
         if isinstance(rotary, torch.nn.Module) and name is not None:
-            rotary_of[name] = rotary
+            rotary_of[name], owner_of[name] = rotary, module
     rotaries = [rotary_of.get(layer.layer_name) for layer in layers]
     missing = [layer.layer_name for layer, r in zip(layers, rotaries) if r is None]
     if missing:
@@ -160,6 +161,10 @@ def query_geometry(model, layers, scales: list[float]) -> tuple[QueryGeometry | 
         return None, "compressed layers with different rotary embeddings"
     if len(set(scales)) != 1:
         return None, f"compressed layers with different attention scales {sorted(set(scales))}"
+    for layer in layers:
+        problem = rope_not_applied(owner_of[layer.layer_name])
+        if problem is not None:
+            return None, f"layer {layer.layer_name}: {problem}"
     half = rotary.rotary_dim // 2
 
     def cos_sin(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,6 +173,122 @@ def query_geometry(model, layers, scales: list[float]) -> tuple[QueryGeometry | 
         return rows[:, :half], rows[:, half:]
 
     return QueryGeometry(cos_sin=cos_sin, max_position=rotary.cos_sin_cache.shape[0], scale=scales[0]), ""
+
+
+def rope_not_applied(attention: torch.nn.Module) -> str | None:
+    """Why the queries this attention module hands its `attn` may not be
+    turned by its `rotary_emb` (None: they are).
+
+    Some models hold a rotary embedding in every attention module and use it
+    in some layers only: EXAONE 4 and Cohere 2 (Command R7B, Command A) turn
+    their sliding-window layers' queries and leave their full-attention ones,
+    the very layers that compress, without RoPE. Which layers do is decided
+    in the module's forward, so its code is read (`_RopePaths`): every path
+    through it must use `self.rotary_emb` (a call, or its table handed to a
+    fused kernel), conditions on the module's own attributes evaluated with
+    this layer's values; anything it cannot decide counts as not turned."""
+    import ast
+    import inspect
+    import textwrap
+
+    cls = type(attention)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return f"{cls.__name__}.forward's code cannot be read (whether its queries are turned by RoPE is not known)"
+    if not _RopePaths(attention).always(tree.body[0].body):  # type: ignore[attr-defined]
+        return f"{cls.__name__}.forward does not turn this layer's queries by RoPE on every path"
+    return None
+
+
+class _RopePaths:
+    """Whether statements of an attention module's forward use `self.rotary_emb`
+    on every path, conditions on the module's attributes (`self.x`, `not`,
+    `and`/`or`, `is (not) None`) evaluated, `self.<method>(...)` followed."""
+
+    def __init__(self, module: torch.nn.Module, depth: int = 0) -> None:
+        self.module, self.depth = module, depth
+
+    def always(self, body: list) -> bool:
+        import ast
+
+        for stmt in body:
+            if isinstance(stmt, ast.If):
+                test = self._value(stmt.test)
+                taken = [stmt.body, stmt.orelse] if test is None else [stmt.body if test else stmt.orelse]
+                if all(self.always(branch) for branch in taken):
+                    return True
+                if any(isinstance(n, ast.Return) for branch in taken for s in branch for n in ast.walk(s)):
+                    return False  # a path may leave without it
+                continue
+            if isinstance(stmt, (ast.With, ast.Try)) and self.always(stmt.body):
+                return True
+            if isinstance(stmt, (ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef)):
+                if any(isinstance(n, ast.Return) for n in ast.walk(stmt)):
+                    return False
+                continue
+            if self._uses(stmt):
+                return True
+            if isinstance(stmt, ast.Return):
+                return False
+        return False
+
+    def _uses(self, node) -> bool:
+        """Whether evaluating this simple statement uses the rotary embedding
+        (outside conditional expressions)."""
+        import ast
+        import inspect
+        import textwrap
+
+        if isinstance(node, (ast.IfExp, ast.BoolOp, ast.Lambda, ast.comprehension)):
+            return False
+        if isinstance(node, ast.Attribute) and node.attr == "rotary_emb" and _is_self(node.value):
+            return True  # called, or its table read for a fused kernel
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_self(node.func.value) \
+                and self.depth < 2:
+            method = getattr(type(self.module), node.func.attr, None)
+            if inspect.isfunction(method):
+                try:
+                    tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+                except (OSError, TypeError, SyntaxError):
+                    tree = None
+                if tree is not None and _RopePaths(self.module, self.depth + 1).always(tree.body[0].body):  # type: ignore[attr-defined]
+                    return True
+        return any(self._uses(child) for child in ast.iter_child_nodes(node))
+
+    def _value(self, node):
+        """The condition's value on this module (None: not decided here)."""
+        import ast
+
+        if isinstance(node, ast.Attribute) and _is_self(node.value):
+            value = getattr(self.module, node.attr, _UNKNOWN)
+            return None if value is _UNKNOWN or not isinstance(value, (bool, int, float, str, type(None))) \
+                else bool(value)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            value = self._value(node.operand)
+            return None if value is None else not value
+        if isinstance(node, ast.BoolOp):
+            values = [self._value(v) for v in node.values]
+            if isinstance(node.op, ast.Or):
+                return True if True in values else (None if None in values else False)
+            return False if False in values else (None if None in values else True)
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)) \
+                and isinstance(node.comparators[0], ast.Constant) and node.comparators[0].value is None \
+                and isinstance(node.left, ast.Attribute) and _is_self(node.left.value):
+            value = getattr(self.module, node.left.attr, _UNKNOWN)
+            if value is _UNKNOWN:
+                return None
+            return (value is None) == isinstance(node.ops[0], ast.Is)
+        return None
+
+
+_UNKNOWN = object()
+
+
+def _is_self(node) -> bool:
+    import ast
+
+    return isinstance(node, ast.Name) and node.id == "self"
 
 
 def tensor_parallel_shard() -> HeadShard:
