@@ -805,6 +805,53 @@ def build_tiny_gemma4(
     return _build_tiny(path, "tiny-gemma4", params, make, force)
 
 
+def build_tiny_exaone4(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    layer_types: tuple[str, ...] = ("sliding_attention", "full_attention") * 2,
+    sliding_window: int = 64,
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate_size: int = 768,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 4096,
+    init_std: float = 0.08,
+    force: bool = False,
+) -> Path:
+    """Build (or return the cached) seeded random EXAONE 4 at ``path``.
+
+    Sliding-window layers (RoPE) interleave with full-attention ones that
+    take no RoPE at all (EXAONE 4 turns queries and keys only in its sliding
+    layers when it has any); q and k RMS-normalised per head, norms after
+    attention and MLP. Same seeded init and tokenizer as ``build_tiny_llama``.
+    """
+    params = {
+        "seed": seed,
+        "layer_types": list(layer_types),
+        "sliding_window": sliding_window,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": max_position_embeddings,
+        "init_std": init_std,
+    }
+
+    def make(tok, common):
+        from transformers import Exaone4Config, Exaone4ForCausalLM
+
+        cfg = Exaone4Config(num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                            sliding_window=sliding_window, architectures=["Exaone4ForCausalLM"], **common)
+        return Exaone4ForCausalLM(cfg), 1.0
+
+    return _build_tiny(path, "tiny-exaone4", params, make, force)
+
+
 def build_tiny_phi3(
     path: str | Path,
     *,

@@ -130,6 +130,34 @@ def test_gpt_oss_prefix_caching_and_preemption_keep_answers(start_engine):
 
 
 @pytest.fixture(scope="module")
+def exaone4():
+    from kvc_tools.models import build_tiny_exaone4, default_cache_root
+
+    return str(build_tiny_exaone4(default_cache_root() / "models" / "tiny-exaone4-seed0"))
+
+
+@pytest.mark.mrv2
+def test_exaone4_every_policy_matches_the_reference(exaone4):
+    """EXAONE 4 turns queries and keys by RoPE in its sliding-window layers
+    only: its full-attention layers, the compressed ones, take none. Every
+    policy but expected attention gives the tokens of the reference run
+    through transformers' own forward; expected attention, which would turn
+    the observed queries back by a RoPE they never had, is refused at
+    startup, naming the layer and why."""
+    from kvc_tools.hf_reference import HFAttentionReference
+
+    names = [name for name in POLICY_NAMES if POLICIES[name].scorer != "expected_attention"]
+    assert len(names) < len(POLICY_NAMES)
+    prompts, configs, got = run_every_policy(exaone4, 73, names)
+    reference = HFAttentionReference(exaone4)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict(config) if config else None
+        assert tokens == reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"], config
+    with pytest.raises(Exception, match="forward does not turn this layer's queries by RoPE on every path"):
+        Engine(in_process=True, **engine_kwargs(exaone4, kv_compress="expected_attention", kv_compress_budget=64))
+
+
+@pytest.fixture(scope="module")
 def phi3():
     from kvc_tools.models import build_tiny_phi3, default_cache_root
 
