@@ -143,18 +143,21 @@ def test_exaone4_every_policy_matches_the_reference(exaone4):
     policy but expected attention gives the tokens of the reference run
     through transformers' own forward; expected attention, which would turn
     the observed queries back by a RoPE they never had, is refused at
-    startup, naming the layer and why."""
+    startup, naming the layer and why. (Cohere 2 has the same layout and is
+    refused alike, tests/test_expected_attention.py; a tiny one is not run
+    here: vanilla vLLM's tokens and transformers' part from the first one.)"""
     from kvc_tools.hf_reference import HFAttentionReference
 
+    model = exaone4
     names = [name for name in POLICY_NAMES if POLICIES[name].scorer != "expected_attention"]
     assert len(names) < len(POLICY_NAMES)
-    prompts, configs, got = run_every_policy(exaone4, 73, names)
-    reference = HFAttentionReference(exaone4)
+    prompts, configs, got = run_every_policy(model, 73, names)
+    reference = HFAttentionReference(model)
     for prompt, config, tokens in zip(prompts, configs, got):
         cfg = KVCompressConfig.from_dict(config) if config else None
         assert tokens == reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"], config
     with pytest.raises(Exception, match="forward does not turn this layer's queries by RoPE on every path"):
-        Engine(in_process=True, **engine_kwargs(exaone4, kv_compress="expected_attention", kv_compress_budget=64))
+        Engine(in_process=True, **engine_kwargs(model, kv_compress="expected_attention", kv_compress_budget=64))
 
 
 @pytest.fixture(scope="module")
