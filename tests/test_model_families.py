@@ -142,10 +142,14 @@ def test_exaone4_every_policy_matches_the_reference(exaone4):
     only: its full-attention layers, the compressed ones, take none. Every
     policy but expected attention gives the tokens of the reference run
     through transformers' own forward; expected attention, which would turn
-    the observed queries back by a RoPE they never had, is refused at
-    startup, naming the layer and why. (Cohere 2 has the same layout and is
-    refused alike, tests/test_expected_attention.py; a tiny one is not run
-    here: vanilla vLLM's tokens and transformers' part from the first one.)"""
+    the observed queries back by a RoPE they never had, is refused: a
+    request asking for it fails alone (the worker logs the layer and why;
+    an engine started with it is refused at startup with the same line),
+    the others go on. (Cohere 2 has the same layout and is refused alike,
+    tests/test_expected_attention.py; a tiny one is not run here: vanilla
+    vLLM's tokens and transformers' part from the first one.)"""
+    from vllm import SamplingParams
+
     from kvc_tools.hf_reference import HFAttentionReference
 
     model = exaone4
@@ -156,8 +160,14 @@ def test_exaone4_every_policy_matches_the_reference(exaone4):
     for prompt, config, tokens in zip(prompts, configs, got):
         cfg = KVCompressConfig.from_dict(config) if config else None
         assert tokens == reference.generate(prompt, NEW_TOKENS, cfg, block_size=32)["tokens"], config
-    with pytest.raises(Exception, match="forward does not turn this layer's queries by RoPE on every path"):
-        Engine(in_process=True, **engine_kwargs(model, kv_compress="expected_attention", kv_compress_budget=64))
+    engine = Engine(in_process=True, **engine_kwargs(model, kv_compress="none"))
+    try:
+        params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, extra_args={"kv_compress": c})
+                  for c in ({"policy": "expected_attention", "budget": 64}, {"policy": "snapkv", "budget": 64})]
+        outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+    finally:
+        engine.close()
+    assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outs] == [("error", 0), ("length", 8)]
 
 
 @pytest.fixture(scope="module")
