@@ -68,8 +68,11 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
     tables, op_tables = {}, {}
     # (first slot copied, fresh slots) per (request, group) that copies.
     copied: dict[tuple[int, int], tuple[int, int]] = {}
+    # Per group, the fresh blocks, which hold stale bytes past the kept tokens (`zero_fresh_blocks`).
+    fresh: dict[int, torch.Tensor] = {}
     for g in range(worker.num_groups):
         rows, op_rows = [], []
+        fresh_ids: list[int] = []
         for i, (c, ids) in enumerate(zip(compactions, group_ids)):
             rows.append(ids[g])
             copy = c.copies[g] if c.copies else None
@@ -78,11 +81,11 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
             else:
                 op_rows.append(list(copy.fresh_blocks) + ids[g][copy.first_block:])
                 copied[i, g] = (copy.first_block * bs, len(copy.fresh_blocks) * bs)
+                fresh_ids.extend(copy.fresh_blocks)
         tables[g] = padded(rows, device)
         op_tables[g] = tables[g] if not any(k[1] == g for k in copied) else padded(op_rows, device)
-    # Blocks that receive kept tokens and hold stale bytes past them (`zero_fresh_blocks`).
-    fresh = {g: upload(torch.tensor(ids, dtype=torch.int64), device) for g, ids in _fresh_blocks(
-        compactions, worker.num_groups).items()} if worker.zero_fresh_blocks else {}
+        if fresh_ids and worker.zero_fresh_blocks:
+            fresh[g] = upload(torch.tensor(fresh_ids, dtype=torch.int64), device)
     # MiniCache pairs merge at their first compaction: both layers of a
     # pair leave the batched op, and are written once both are selected.
     merging = [{layer for pair in state.lower_of.items() for layer in pair} if state and not state.merged
@@ -139,17 +142,6 @@ def compact_requests(worker: WorkerCompression, compactions: list[Compaction]) -
             del ids[g][cdiv(new_len, worker.block_size):]
             first_changed = len(ids[g]) if copy is None else min(copy.first_block, len(ids[g]))
             worker.runner.refill_row(c.request_id, worker.vllm_groups[g], ids[g], first_changed)
-
-
-def _fresh_blocks(compactions: list[Compaction], num_groups: int) -> dict[int, list[int]]:
-    """The fresh blocks of the step's copying compactions, per group that has any."""
-    fresh: dict[int, list[int]] = {}
-    for c in compactions:
-        for g in range(num_groups):
-            copy = c.copies[g] if c.copies else None
-            if copy is not None:
-                fresh.setdefault(g, []).extend(copy.fresh_blocks)
-    return fresh
 
 
 def _op_inputs(worker: WorkerCompression, selected: dict[int, torch.Tensor],

@@ -7,7 +7,11 @@ tensor-parallel heads, and the KV cache size that leaves room for the scores.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import logging
+import textwrap
 
 import torch
 
@@ -187,18 +191,25 @@ def rope_not_applied(attention: torch.nn.Module) -> str | None:
     through it must use `self.rotary_emb` (a call, or its table handed to a
     fused kernel), conditions on the module's own attributes evaluated with
     this layer's values; anything it cannot decide counts as not turned."""
-    import ast
-    import inspect
-    import textwrap
-
     cls = type(attention)
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
+    body = _statements(cls.forward)
+    if body is None:
         return f"{cls.__name__}.forward's code cannot be read (whether its queries are turned by RoPE is not known)"
-    if not _RopePaths(attention).always(tree.body[0].body):  # type: ignore[attr-defined]
+    if not _RopePaths(attention).always(body):
         return f"{cls.__name__}.forward does not turn this layer's queries by RoPE on every path"
     return None
+
+
+@functools.cache
+def _statements(function) -> list[ast.stmt] | None:
+    """A function's body as parsed from its source (None: not readable),
+    once per function: every compressed layer's module shares its class's."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    definition = tree.body[0]
+    return definition.body if isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
 
 
 class _RopePaths:
@@ -209,9 +220,7 @@ class _RopePaths:
     def __init__(self, module: torch.nn.Module, depth: int = 0) -> None:
         self.module, self.depth = module, depth
 
-    def always(self, body: list) -> bool:
-        import ast
-
+    def always(self, body: list[ast.stmt]) -> bool:
         for stmt in body:
             if isinstance(stmt, ast.If):
                 test = self._value(stmt.test)
@@ -236,10 +245,6 @@ class _RopePaths:
     def _uses(self, node) -> bool:
         """Whether evaluating this simple statement uses the rotary embedding
         (outside conditional expressions)."""
-        import ast
-        import inspect
-        import textwrap
-
         if isinstance(node, (ast.IfExp, ast.BoolOp, ast.Lambda, ast.comprehension)):
             return False
         if isinstance(node, ast.Attribute) and node.attr == "rotary_emb" and _is_self(node.value):
@@ -247,19 +252,13 @@ class _RopePaths:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_self(node.func.value) \
                 and self.depth < 2:
             method = getattr(type(self.module), node.func.attr, None)
-            if inspect.isfunction(method):
-                try:
-                    tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
-                except (OSError, TypeError, SyntaxError):
-                    tree = None
-                if tree is not None and _RopePaths(self.module, self.depth + 1).always(tree.body[0].body):  # type: ignore[attr-defined]
-                    return True
+            body = _statements(method) if inspect.isfunction(method) else None
+            if body is not None and _RopePaths(self.module, self.depth + 1).always(body):
+                return True
         return any(self._uses(child) for child in ast.iter_child_nodes(node))
 
     def _value(self, node):
         """The condition's value on this module (None: not decided here)."""
-        import ast
-
         if isinstance(node, ast.Attribute) and _is_self(node.value):
             value = getattr(self.module, node.attr, _UNKNOWN)
             return None if value is _UNKNOWN or not isinstance(value, (bool, int, float, str, type(None))) \
@@ -286,8 +285,6 @@ _UNKNOWN = object()
 
 
 def _is_self(node) -> bool:
-    import ast
-
     return isinstance(node, ast.Name) and node.id == "self"
 
 
