@@ -76,6 +76,8 @@ class ReferenceDecoder:
         # tables (the first half of each: NeoX's layout repeats it), HF's scale.
         self.geometry: QueryGeometry | None = QueryGeometry(
             cos_sin=self._full_attention_cos_sin, max_position=cfg.max_position_embeddings, scale=self.scale)
+        # KVzip's repeat passes read every compressed layer's logits (`_repeat_scores`).
+        self._on_logits = None
 
     # ------------------------------------------------------------ model
 
@@ -164,6 +166,8 @@ class ReferenceDecoder:
             dead = state.dead_slots(c, total) if state is not None and c is not None else None
             sinks = self.sinks[layer_idx]
             attended, logits = dense_attention(q, keys, values, self.scale, hidden, dead, sinks)
+            if self._on_logits is not None and c is not None:
+                self._on_logits(c, logits, sinks)
             attended = attended.to(x.dtype).transpose(0, 1).reshape(n, -1)
             out = attn.o_proj(attended if gate is None else attended * torch.sigmoid(gate))
             if self.gemma:  # sandwich norms around attention and MLP
@@ -187,6 +191,35 @@ class ReferenceDecoder:
         logits = self.model.lm_head(x)[0].float()
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _repeat_scores(self, prompt: list[int], cache, scorer, repeat_tokens, max_model_len: int | None,
+                       cache_dtype: CacheDType) -> list[torch.Tensor]:
+        """KVzip: per compressed layer [Hkv, len(prompt)] the scores of the
+        prompt's repeat passes, each run over a copy of the prefilled cache
+        (its own keys and values then dropped)."""
+        from vllm_kvcompress.kernels.torch_paged import softmax_with_sinks
+        from vllm_kvcompress.scorers.kvzip import repeat_passes, subsample_scores, subsample_slots
+
+        if repeat_tokens is None or "linear_attention" in self.layer_types:
+            raise ValueError("reference decoder: kvzip needs repeat_tokens, and a model without Gated DeltaNet layers")
+        group = self.num_q_heads // self.num_kv_heads
+        scores = [torch.zeros(self.num_kv_heads, len(prompt)) for _ in self.compressed]
+        for rp in repeat_passes(prompt, scorer, repeat_tokens, max_model_len):
+            slots = torch.arange(rp.context_len, rp.context_len + len(rp.tokens))
+            keys = subsample_slots(rp, int(slots[-1]))
+
+            def on_logits(c: int, logits: torch.Tensor, sinks, rp=rp, slots=slots, keys=keys) -> None:
+                sink = None if sinks is None else sinks.float().view(self.num_kv_heads, group, 1, 1)
+                subsample = logits[:, :, keys].reshape(self.num_kv_heads, group, len(slots), len(keys))
+                chunk = subsample_scores(subsample, rp, slots, lambda x: softmax_with_sinks(x, sink))
+                scores[c][:, rp.start: rp.end] = torch.maximum(scores[c][:, rp.start: rp.end], chunk)
+
+            self._on_logits = on_logits
+            try:
+                self._forward(list(rp.tokens), slots, list(cache), None, cache_dtype)
+            finally:
+                self._on_logits = None
+        return scores
 
     def _physical_kv(self, cache, layer: int, c: int,
                      state: RequestTokens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +261,7 @@ class ReferenceDecoder:
     def generate(
         self, prompt: list[int], max_new_tokens: int, config: KVCompressConfig | None = None,
         block_size: int = 32, kv_cache_dtype: str = "auto", forced: list[int] | None = None,
-        resume: dict | None = None,
+        resume: dict | None = None, repeat_tokens=None, max_model_len: int | None = None,
     ) -> dict:
         """Greedy tokens with the config's compression applied on the schedule's points (schedule.py),
         keys and values cached as vLLM caches them at `kv_cache_dtype` (auto, or an fp8 format).
@@ -238,6 +271,9 @@ class ReferenceDecoder:
         how far its logit falls below the best one here (0 where it is the
         greedy token). A 16-bit model's two decoders part at near ties; forced,
         every token of the other is checked, not only those before they part.
+
+        `repeat_tokens` (`scorers.kvzip.RepeatTokens`), `max_model_len`: a
+        KVzip request's repeat passes, as the engine's scheduler makes them.
 
         `resume`: an earlier `generate`'s result ("resume" in it): this prompt
         begins with that request's prompt and outputs (but the last, whose KV
@@ -303,6 +339,10 @@ class ReferenceDecoder:
                 state.next_due = plan.next_due(logical)
             logits = self._forward(prompt[logical:end], torch.arange(logical, end), cache, state, cache_dtype)
             logical = end
+        if resolved is not None and resolved.scorer.reconstructs_context and resolved.compresses_prompt:
+            assert state is not None
+            state.take_repeat_scores(self._repeat_scores(prompt, cache, resolved.scorer, repeat_tokens, max_model_len,
+                                                         cache_dtype))
         if plan.budgets_pending:  # the worker reports these at prefill end
             assert state is not None
             plan.set_layer_budgets(state.attention_budgets())

@@ -57,6 +57,9 @@ POLICIES: dict[str, Composition] = {
     # No question needed: scores from the statistics of the prompt's queries,
     # turned to the positions to come (kvpress's ExpectedAttentionPress).
     "expected_attention": Composition("expected_attention"),
+    # No question needed: scores from passes that repeat the prompt (KVzip's
+    # context reconstruction), at the cost of prefilling the prompt again.
+    "kvzip": Composition("kvzip"),
     # Nothing evicted: the prompt's KV merged across depth at prefill end.
     "minicache": Composition("keep_all", merge="minicache"),
 }

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from .plan import CompressionPlan
+from .scorers.kvzip import RepeatPass
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class StartedRequest:
     # It starts from this saved compressed state (`StepPlan.saved`), its
     # tokens' KV already in its first blocks (None: from nothing).
     restored: str | None = None
+    # A repeat pass of another request's prompt (KVzip): (that request, the
+    # pass); its queries score that request's prompt, and nothing of its own.
+    repeat: tuple[str, RepeatPass] | None = None
 
 
 @dataclass(frozen=True)

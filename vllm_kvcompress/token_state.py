@@ -325,6 +325,19 @@ class RequestTokens:
             acc = self.attention[layer] = grown
         self.scorer.observe.join(acc[:, :width], attention)
 
+    def take_repeat_scores(self, scores: list[torch.Tensor | None]) -> None:
+        """The scores its repeat passes gave the prompt (KVzip), per layer
+        [Hkv, prompt tokens] by logical position, as this layer's attention:
+        each query head holds its KV head's (the scorer reads one of a group)."""
+        for layer, by_position in enumerate(scores):
+            if by_position is None:
+                raise RuntimeError(f"kv_compress: no repeat pass scored layer {layer}")
+            positions = self.positions(layer)
+            if positions.shape[-1] > by_position.shape[-1]:
+                raise RuntimeError(f"kv_compress: repeat passes scored {by_position.shape[-1]} tokens, "
+                                   f"layer {layer} holds {positions.shape[-1]}")
+            self.attention[layer] = by_position.gather(1, positions).repeat_interleave(self.group, dim=0)
+
     def _observed(self, layer: int) -> torch.Tensor | None:
         """[Hq, T] accumulated attention of the layer's T cached tokens (None: nothing observed)."""
         acc = self.attention[layer]

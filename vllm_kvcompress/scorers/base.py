@@ -261,6 +261,9 @@ class Scorer(Component):
     # too, `cached_values`): it selects from each layer's own keys when that
     # layer compresses.
     needs_keys: ClassVar[bool] = False
+    # Its scores come from passes that repeat the prompt after its prefill
+    # (KVzip): the scheduler runs them before the request decodes.
+    reconstructs_context: ClassVar[bool] = False
 
     def incompatible_with(self, parts: Components, config: KVCompressConfig) -> Problem | None:
         """Why this scorer cannot serve with these parts and budget (None: it can)."""

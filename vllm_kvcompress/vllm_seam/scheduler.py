@@ -23,15 +23,17 @@ import logging
 import os
 import time
 
+from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from ..accounting import CompressionStats
 from ..admission import GrowthForecast, Outlook
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..plan import resolve_plan
 from ..schedule import RequestSchedule, cdiv
+from ..scorers.kvzip import RepeatPass, RepeatTokens, repeat_passes
 from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, log_failure, report_of
 from .block_manager import CompressedAttentionManager
 from .groups import CompressedLayers
@@ -152,6 +154,20 @@ class KVCompressScheduler(Scheduler):
         self._kvc_pins: dict[str, tuple[str, list]] = {}
         self._kvc_saved_now: dict[str, tuple[tuple[str, int], ...]] = {}  # for the next step's plan (StepPlan.saved)
         self._kvc_dropped: list[str] = []
+        # KVzip: requests whose prompt is scored by repeat passes (requests
+        # of their own, started here once the prompt is prefilled): those not
+        # started yet; per request, its passes still running (it waits for
+        # them before it decodes: scores and compression come first); per
+        # pass, its request and what it repeats; this step's finished passes
+        # (their outputs are the plugin's, not the client's); the passes of
+        # requests that ended, to abort.
+        self._kvc_to_repeat: set[str] = set()
+        self._kvc_repeating: dict[str, set[str]] = {}
+        self._kvc_repeated: set[str] = set()  # all passes ended (a preempted one resumes without new ones)
+        self._kvc_repeat_of: dict[str, tuple[str, RepeatPass]] = {}
+        self._kvc_repeats_ended: set[str] = set()
+        self._kvc_orphans: list[str] = []
+        self._kvc_repeat_tokens: RepeatTokens | None = None
         logger.info("kv_compress scheduler ready (pid %d): %s, block %d, compressing %d of %d KV cache group(s)",
                     os.getpid(), self.kvc_config.to_dict(), self.kvc_block_size, len(self._kvc_managers),
                     len(groups))
@@ -165,6 +181,13 @@ class KVCompressScheduler(Scheduler):
         """The request's compression state, created on first use."""
         rid = request.request_id
         state = self.kvc_states.get(rid)
+        if state is None and rid in self._kvc_repeat_of:
+            # A repeat pass: uncompressed, its prompt's blocks from vLLM's
+            # prefix cache (`_get_local_prefix_cache_hit`), its queries scored
+            # for the request it repeats (the workers learn which from here).
+            state = self.kvc_states[rid] = RequestSchedule.create(None, self.kvc_group_of_layer)
+            self._kvc_started[rid] = StartedRequest(rid, None, repeat=self._kvc_repeat_of[rid])
+            return state
         if state is None:
             params = request.sampling_params
             # Validated in the front end (InputProcessor) already.
@@ -198,6 +221,9 @@ class KVCompressScheduler(Scheduler):
                 self._kvc_planned.add(rid)
                 self._kvc_due_check.add(rid)
                 self._kvc_may_be_due.add(rid)
+                if plan.scorer.reconstructs_context and plan.compresses_prompt \
+                        and rid not in self._kvc_repeating and rid not in self._kvc_repeated:
+                    self._kvc_to_repeat.add(rid)
             cap = state.max_physical(request.num_tokens)
             for manager in self._kvc_managers:
                 manager.set_admission_cap(request.request_id, cap)
@@ -252,6 +278,8 @@ class KVCompressScheduler(Scheduler):
         pool = self.kv_cache_manager.block_pool
         rid = request.request_id
         state = self._request_state(request)
+        if rid in self._kvc_repeating or rid in self._kvc_to_repeat:
+            return None  # its scores come from repeat passes still to run (looked at again once they end)
         logical = request.num_computed_tokens
         targets = state.next_compression(logical)
         if targets is None:
@@ -287,6 +315,9 @@ class KVCompressScheduler(Scheduler):
         # Before anything is scheduled: the lengths after the last step's rejections.
         settled = {rid: self.requests[rid].num_computed_tokens for rid in self._kvc_speculated if rid in self.requests}
         self._kvc_step += 1
+        if self._kvc_orphans:  # repeat passes of requests that ended
+            orphans, self._kvc_orphans = self._kvc_orphans, []
+            self.finish_requests(orphans, RequestStatus.FINISHED_ABORTED)
         ops = self._plan_compressions()
         self._kvc_sized.clear()
         try:
@@ -294,6 +325,8 @@ class KVCompressScheduler(Scheduler):
         finally:
             self._kvc_held_back.clear()
         restored = self._take_saved_state_hits(output.num_scheduled_tokens)
+        if self._kvc_to_repeat:
+            self._start_repeat_passes(output.num_scheduled_tokens)
         # Scheduled without vLLM asking `_reserve_prefill_lookahead` (none
         # known on 0.32-0.34): their lengths moved unseen, so they are looked at.
         self._kvc_may_be_due.update(output.num_scheduled_tokens.keys() - self._kvc_sized)
@@ -318,7 +351,9 @@ class KVCompressScheduler(Scheduler):
         self._kvc_speculated = {rid for rid in output.scheduled_spec_decode_tokens if rid in planned}
         attach_step_plan(output, StepPlan(started=started, compactions=ops, evicted=evicted,
                                           next_due=self._next_due_changes(scheduled), settled=settled,
-                                          compressing=not planned.isdisjoint(scheduled), saved=saved,
+                                          compressing=not (planned.isdisjoint(scheduled)
+                                                           and self._kvc_repeat_of.keys().isdisjoint(scheduled)),
+                                          saved=saved,
                                           dropped=dropped))
         if ops:
             self._write_snapshot()
@@ -375,6 +410,9 @@ class KVCompressScheduler(Scheduler):
             self._kvc_updating = False
         if self._kvc_snapshot_due:
             self._write_snapshot()
+        if self._kvc_repeats_ended:
+            _drop_outputs(outputs, self._kvc_repeats_ended)
+            self._kvc_repeats_ended = set()
         for rid, client in errors:
             # What vLLM sends for its own per-request errors: the client's
             # request ends with finish_reason "error" (HTTP 500 for that request).
@@ -390,6 +428,9 @@ class KVCompressScheduler(Scheduler):
             if hit is not None:
                 return hit
         cap = state.longest_prefix_hit()
+        repeat = self._kvc_repeat_of.get(request.request_id)
+        if repeat is not None:
+            cap = repeat[1].context_len  # a repeat pass computes every query of its own
         if args or "max_cache_hit_length" in kwargs:
             # vLLM 0.33+: the hit's cap is vLLM's own parameter; ours joins it.
             kwargs.pop("max_cache_hit_length", None)
@@ -528,6 +569,8 @@ class KVCompressScheduler(Scheduler):
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         rid = request.request_id
         self._kvc_sized.add(rid)
+        if rid in self._kvc_repeating and num_computed_tokens >= request.num_prompt_tokens:
+            return 0  # prefilled, its repeat passes still running: it compresses on their scores first
         state = self.kvc_states.get(rid)
         if num_new_tokens <= 1 and state is not None and request.status is _RUNNING and (
                 state.plan is None or num_computed_tokens >= state.plan.prompt_len):
@@ -554,6 +597,86 @@ class KVCompressScheduler(Scheduler):
             return num_new_tokens  # past its prompt, a step may always compute a token (`tokens_until_due`)
         cap = state.tokens_until_due(num_computed_tokens)
         return num_new_tokens if cap is None else min(num_new_tokens, cap)
+
+    # ------------------------------------------------------------ KVzip
+
+    def _start_repeat_passes(self, scheduled: dict[str, int]) -> None:
+        """Requests whose prompt this step prefills to its end start their
+        repeat passes: requests of their own, at the front of the waiting
+        queue, whose prompt is the prompt and the pass (scorers/kvzip.py)."""
+        for rid in self._kvc_to_repeat.intersection(scheduled):
+            request = self.requests[rid]
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                continue
+            self._kvc_to_repeat.discard(rid)
+            state = self.kvc_states[rid]
+            assert state.plan is not None
+            try:
+                if request.prompt_token_ids is None or request.mm_features:
+                    raise ValueError("kvzip repeats prompts of token ids only (no embeddings or multimodal inputs)")
+                passes = repeat_passes(request.prompt_token_ids, state.plan.scorer, self._repeat_tokens(),
+                                       self.max_model_len)
+            except Exception as e:  # noqa: BLE001 - one request's passes, never the engine
+                log_failure(rid, "starting its repeat passes", e)
+                self._kvc_failed.add(rid)
+                continue
+            children = set()
+            for i, rp in enumerate(passes):
+                cid = f"{rid}{REPEAT_SUFFIX}{i}"
+                self._kvc_repeat_of[cid] = (rid, rp)
+                child = Request(request_id=cid, prompt_token_ids=[*request.prompt_token_ids, *rp.tokens],
+                                sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+                                pooling_params=None, client_index=request.client_index,
+                                arrival_time=request.arrival_time, lora_request=request.lora_request,
+                                cache_salt=request.cache_salt, priority=request.priority,
+                                block_hasher=request._block_hasher)
+                self.add_request(child)
+                children.add(cid)
+            # First in line: the request holds its blocks while it waits for them.
+            ahead = [r for r in self.waiting if r.request_id in children]
+            self.waiting.remove_requests(ahead)
+            self.waiting.prepend_requests(ahead)
+            self._kvc_repeating[rid] = children
+
+    def _repeat_tokens(self) -> RepeatTokens:
+        """The repeat passes' instructions, from the model's tokenizer (loaded once)."""
+        if self._kvc_repeat_tokens is None:
+            from transformers import AutoTokenizer
+
+            mc = self.vllm_config.model_config
+            tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
+                                                      trust_remote_code=mc.trust_remote_code)
+            self._kvc_repeat_tokens = RepeatTokens.of(tokenizer)
+        return self._kvc_repeat_tokens
+
+    def _end_repeats(self, request) -> None:
+        """A request ended: a repeat pass's request learns it (once all its
+        passes ended it compresses; a pass that failed fails it); a request's
+        running passes are aborted."""
+        rid = request.request_id
+        self._kvc_to_repeat.discard(rid)
+        self._kvc_repeated.discard(rid)
+        orphans = self._kvc_repeating.pop(rid, None)
+        if orphans:
+            self._kvc_orphans += orphans
+        repeat = self._kvc_repeat_of.pop(rid, None)
+        if repeat is None:
+            return
+        self._kvc_repeats_ended.add(rid)
+        target = repeat[0]
+        running = self._kvc_repeating.get(target)
+        if running is None:
+            return
+        running.discard(rid)
+        if request.status not in _COMPLETED:
+            logger.warning("kv_compress %s: its repeat pass %s ended (%s)", target, rid, request.status.name)
+            self._kvc_failed.add(target)
+            self._kvc_orphans += running
+            running.clear()
+        if not running:
+            del self._kvc_repeating[target]
+            self._kvc_repeated.add(target)
+            self._kvc_may_be_due.add(target)
 
     # ------------------------------------------------------------ admission
 
@@ -635,6 +758,8 @@ class KVCompressScheduler(Scheduler):
         super()._free_request_blocks(request)
         if request.is_finished():
             self._end_reuse(request)
+            if self._kvc_repeat_of or self._kvc_repeating or self._kvc_to_repeat or self._kvc_repeated:
+                self._end_repeats(request)
         self._kvc_forecast.retire(request.request_id)
         self._kvc_forecast_follows, self._kvc_forecast_last = -1, None
         self.kvc_states.pop(request.request_id, None)
@@ -665,6 +790,15 @@ class KVCompressScheduler(Scheduler):
 
 
 _UNPLANNED = RequestSchedule.create(None)  # a request not planned yet: uncompressed
+REPEAT_SUFFIX = "::kvzip-repeat-"  # a repeat pass's request id: its request's, this, the pass's number
+
+
+def _drop_outputs(outputs: dict, request_ids: set[str]) -> None:
+    """Leave these requests (repeat passes, the plugin's own) out of the step's outputs to the clients."""
+    for out in outputs.values():
+        out.outputs = [o for o in out.outputs if o.request_id not in request_ids]
+        if out.finished_requests:
+            out.finished_requests = out.finished_requests - request_ids
 _UNSENT = object()  # no next_due sent to the workers yet
 
 

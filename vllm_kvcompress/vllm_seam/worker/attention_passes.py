@@ -13,6 +13,8 @@ forward of a compressed layer, for the step's requests that need it:
                   request's moments (expected attention: no attention scored)
   HeldQueries     keep the observed queries of a step that verifies drafts
                   until their acceptance is known (speculation.py)
+  RepeatScores    score a prompt by the queries of a pass that repeats it
+                  (KVzip: scorers/kvzip.py), for the request it belongs to
 
 Each request goes through at most one of the first three (a fused request is
 neither masked nor merged). One small class per pass, one entry point (`run`).
@@ -30,9 +32,10 @@ from ...host_reads import upload
 from ...kernels.torch_paged import softmax_with_sinks
 from ...schedule import cdiv
 from ...scorers.expected_attention import unrotate
+from ...scorers.kvzip import paged_repeat_scores
 from ...step_records import ReportedBudgets
 from ...token_state import SpeculativeQueries
-from .step_inputs import ScoringBatch, StepRequest, padded
+from .step_inputs import ScoringBatch, StepRepeat, StepRequest, padded
 
 if TYPE_CHECKING:
     from .state import WorkerCompression
@@ -68,11 +71,12 @@ class StepPasses:
         self.speculative: list[StepRequest] = []
         self.masked: list[StepRequest] = []  # all queries of requests with per-head budgets
         self.merged: list[StepRequest] = []  # all queries of requests with merged layer pairs
+        self.repeats: list[StepRepeat] = []  # queries of repeat passes (KVzip), scoring another request's prompt
         self.batches: dict[tuple[str, int], ScoringBatch | None] = {}
         self.fused_scores: dict[int, torch.Tensor] = {}
         self.layers_seen = 0
         self.passes = (MaskedHeads(self), MergedLayers(self), FusedDecode(self), HeldQueries(self),
-                       ObservedQueries(self), ObservedScores(self))
+                       ObservedQueries(self), RepeatScores(self), ObservedScores(self))
 
     def batch(self, kind: str, group: int) -> ScoringBatch | None:
         """The step's `kind` requests of a group as one batch (built once per step):
@@ -278,6 +282,33 @@ class ObservedQueries(AttentionPass):
                     with worker.isolated(r.request_id, "observing queries"):
                         r.state.observe_queries(layer, before_rope[start: start + n])
                 start += n
+
+
+class RepeatScores(AttentionPass):
+    """Repeat passes' queries (KVzip): each chunk token's highest attention
+    from them, kept per layer for the request whose prompt they repeat
+    (`WorkerCompression.repeat_scores`, taken at its compaction)."""
+
+    def run(self, layer: int, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor) -> None:
+        if not self.step.repeats:
+            return
+        worker = self.worker
+        group = worker.group_of_layer[layer]
+        keys = worker.views(kv_cache)[0]
+        with worker.timer.phase("scoring"):
+            for r in self.step.repeats:
+                if r.request_id in worker.failed:
+                    continue
+                with worker.isolated(r.request_id, "repeat scores"):
+                    rp = r.repeat
+                    scores = paged_repeat_scores(query[r.token_idx], keys, r.block_ids[group], r.q_slots, r.last, rp,
+                                                 worker.scales[layer], worker.sinks[layer])
+                    layers = worker.repeat_scores.setdefault(r.target, [None] * worker.num_layers)
+                    if layers[layer] is None:
+                        layers[layer] = torch.zeros(scores.shape[0], rp.context_len, dtype=torch.float32,
+                                                    device=scores.device)
+                    chunk = layers[layer][:, rp.start: rp.end]
+                    chunk.copy_(torch.maximum(chunk, scores))
 
 
 class ObservedScores(AttentionPass):

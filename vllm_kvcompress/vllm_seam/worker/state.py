@@ -28,6 +28,7 @@ from ...cache_layout import AUTO, LAYOUTS, CacheDType, KVViews
 from ...config import CONFIG_KEY, KVCompressConfig
 from ...kernels import get_ops
 from ...scorers.expected_attention import QueryGeometry
+from ...scorers.kvzip import RepeatPass
 from ...sharding import HeadShard
 from ...step_records import ReportedBudgets, log_failure, step_plan_of
 from ...token_state import RequestTokens
@@ -172,6 +173,12 @@ class WorkerCompression:
         # keeps their compressed KV (StepPlan.saved and .dropped).
         self.saved: dict[str, RequestTokens] = {}
         self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group, of the requests that evicted
+        # KVzip: the running repeat passes (request -> the request whose
+        # prompt it repeats, and the pass), and per request the scores its
+        # passes gave its prompt so far, per layer [Hkv, prompt tokens]: kept
+        # until it ends (a preempted one compresses on them again).
+        self.repeats: dict[str, tuple[str, RepeatPass]] = {}
+        self.repeat_scores: dict[str, list[torch.Tensor | None]] = {}
         self._evicted_rows: tuple[list[str], np.ndarray] | None = None  # `evicted_rows`, kept
         # Per-layer budgets decided from this step's attention, for the scheduler.
         self.reported: list[ReportedBudgets] = []
@@ -246,12 +253,18 @@ class WorkerCompression:
         for rid in (*so.finished_req_ids, *preempted):
             self.states.pop(rid, None)
             self.evicted.pop(rid, None)
+            self.repeats.pop(rid, None)
+        if self.repeat_scores:
+            for rid in so.finished_req_ids:
+                self.repeat_scores.pop(rid, None)
         # Any request's end, compressed or not: both leave holes in the heap.
         self.heap.after_step(ended=bool(so.finished_req_ids or preempted), idle=not so.total_num_scheduled_tokens)
         self.compressing = plan.compressing
         for started in plan.started:
             self.states.pop(started.request_id, None)
             self.evicted.pop(started.request_id, None)
+            if started.repeat is not None:
+                self.repeats[started.request_id] = started.repeat
             if started.plan is not None:
                 with self.isolated(started.request_id, "start"):
                     scorer = started.plan.scorer
@@ -272,6 +285,12 @@ class WorkerCompression:
             if state is not None:
                 state.next_due = due
         if plan.compactions:
+            if self.repeat_scores:
+                for op in plan.compactions:
+                    scores, state = self.repeat_scores.get(op.request_id), self.states.get(op.request_id)
+                    if scores is not None and state is not None:
+                        with self.isolated(op.request_id, "taking repeat scores"):
+                            state.take_repeat_scores(scores)
             with self.timer.phase("compaction"):
                 compact_requests(self, plan.compactions)
             self.snapshot.write(self.timer.seconds)

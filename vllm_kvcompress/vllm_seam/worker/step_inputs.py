@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ...host_reads import host_list, upload
+from ...scorers.kvzip import RepeatPass
 from ...token_state import RequestTokens
 from .speculation import DraftSlots
 
@@ -61,6 +62,20 @@ class StepRequest:
         if self.q_logical_device is None:
             self.q_logical_device = upload(self.q_logical, device)
         return self.q_logical_device
+
+
+@dataclass
+class StepRepeat:
+    """A repeat pass's queries in the running step (KVzip): they score the
+    prompt of request `target` (`RepeatScores`)."""
+
+    request_id: str
+    target: str
+    repeat: RepeatPass
+    token_idx: torch.Tensor  # rows of the step's query tensor
+    q_slots: torch.Tensor  # [n] their slots (= logical positions), on the cache's device
+    last: int  # the last one's, on the host
+    block_ids: list[torch.Tensor]  # per KV cache group
 
 
 @dataclass
@@ -197,12 +212,15 @@ def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens
     from .attention_passes import StepPasses  # it reads the step's requests, as built here
 
     step = StepPasses(worker)
-    states, speculative = worker.states, worker.speculative
+    states, speculative, repeats = worker.states, worker.speculative, worker.repeats
     # Python ints once (an array element read per request costs more).
     computed, counts = host_list(num_computed[:len(req_ids)]), host_list(num_scheduled_tokens)
     for i, rid in enumerate(req_ids):
         state = states.get(rid)
         if state is None:
+            if repeats and rid in repeats:  # a repeat pass (KVzip): no state of its own
+                with worker.isolated(rid, "repeat pass"):
+                    _add_repeat(worker, step, rid, int(starts[i]), computed[i], counts[i])
             continue
         first, n = computed[i], counts[i]
         try:  # as `worker.isolated`, without a context manager per request and step
@@ -212,7 +230,23 @@ def step_passes(worker: WorkerCompression, req_ids, starts, num_scheduled_tokens
             _add_request(worker, step, i, rid, state, slice(start, start + n), positions_host, physical_host)
         except Exception as e:  # noqa: BLE001 - one request's observation, never the step
             worker.fail(rid, "observation", e)
-    return step if step.observed or step.queried or step.speculative or step.masked or step.merged else None
+    return step if step.observed or step.queried or step.speculative or step.masked or step.merged \
+        or step.repeats else None
+
+
+def _add_repeat(worker: WorkerCompression, step: StepPasses, rid: str, start: int, first: int, n: int) -> None:
+    """A repeat pass's queries of this step (rows start.., slots first..):
+    those past the prompt it repeats are its own, scored."""
+    target, rp = worker.repeats[rid]
+    begin = max(first, rp.context_len)
+    if begin >= first + n:
+        return  # still the prompt (no prefix-cache hit of it)
+    ids = worker.runner.block_ids(rid)
+    step.repeats.append(StepRepeat(
+        request_id=rid, target=target, repeat=rp,
+        token_idx=upload(torch.arange(start + begin - first, start + n), worker.device),
+        q_slots=upload(torch.arange(begin, first + n), worker.device), last=first + n - 1,
+        block_ids=[upload(torch.tensor(ids[vg], dtype=torch.int64), worker.device) for vg in worker.vllm_groups]))
 
 def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, state: RequestTokens,
                  sl: slice,

@@ -1,0 +1,138 @@
+"""KVzip: the prompt scored by passes that repeat it (scorers/kvzip.py).
+
+The engine runs each repeat pass as a request of its own once the prompt is
+prefilled, and compresses the request on their scores before it decodes;
+the reference decoder runs the same passes over a copy of its dense cache.
+Greedy tokens must be equal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_kvcompress.config import KVCompressConfig
+from vllm_kvcompress.scorers.kvzip import KVzip, RepeatPass, RepeatTokens, repeat_passes, subsample_scores
+
+from helpers import engine_kwargs, random_prompts
+
+NEW_TOKENS = 12
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def repeat_tokens(tiny_model):
+    from transformers import AutoTokenizer
+
+    return RepeatTokens.of(AutoTokenizer.from_pretrained(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def engine(start_engine, tiny_model):
+    # Prompts in chunks of 128 tokens; the repeat passes hit the prompt's blocks in vLLM's prefix cache.
+    return start_engine(**engine_kwargs(tiny_model, kv_compress="none", max_num_batched_tokens=128,
+                                        enable_prefix_caching=True, max_model_len=MAX_MODEL_LEN))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from kvc_tools.reference_decoder import ReferenceDecoder
+
+    return ReferenceDecoder(tiny_model)
+
+
+def _reference(reference, repeat_tokens, prompt, config):
+    cfg = KVCompressConfig.from_dict(config) if config else None
+    return reference.generate(prompt, NEW_TOKENS, cfg, block_size=32, repeat_tokens=repeat_tokens,
+                              max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.mark.mrv2
+def test_kvzip_matches_reference(engine, reference, repeat_tokens):
+    """KVzip alone, in several repeat passes (chunks of 64 and 100 tokens),
+    with span carry, a ratio and a protected start, one batch with an
+    uncompressed request and a prompt within budget (no pass): greedy tokens
+    equal the reference decoder's, and the passes' outputs never reach the client."""
+    prompts = random_prompts((300, 180, 240, 150, 210, 60), seed=81)
+    configs = [
+        {"policy": "kvzip", "budget": 64},
+        {"policy": "kvzip", "budget": 48, "chunk_size": 64},
+        {"policy": "kvzip", "budget": 48, "selection": "span", "span": 8, "chunk_size": 100},
+        {"policy": "kvzip", "compression_ratio": 0.75, "sink_tokens": 0, "overlap": 0, "chunk_size": 50},
+        {"policy": "kvzip", "budget": 40, "protect_prefix": 16},
+        {"policy": "kvzip", "budget": 64},
+    ]
+    before = engine.stats()
+    got = engine.generate(prompts, NEW_TOKENS, configs)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        assert len(tokens) == NEW_TOKENS
+        assert tokens == _reference(reference, repeat_tokens, prompt, config)["tokens"], config
+    assert engine.stats()["compressions"] - before["compressions"] == len(configs) - 1
+
+
+@pytest.mark.mrv2
+def test_kvzip_batched_equals_alone(engine, reference, repeat_tokens):
+    """Requests whose passes run beside each other and beside other
+    requests' prefill and decode give what each gives alone."""
+    prompts = random_prompts((260, 200, 230), seed=82)
+    configs = [{"policy": "kvzip", "budget": 56, "chunk_size": 90}, None, {"policy": "kvzip", "budget": 72}]
+    together = engine.generate(prompts, NEW_TOKENS, configs)
+    for prompt, config, tokens in zip(prompts, configs, together):
+        assert tokens == engine.generate([prompt], NEW_TOKENS, [config])[0], config
+
+
+def test_kvzip_chooses_other_tokens_than_snapkv(reference, repeat_tokens):
+    """Not a relabelled other scorer: on the same prompt and budget it keeps
+    other positions than SnapKV and than expected attention."""
+    prompt = random_prompts((200,), seed=83)[0]
+    kept = {policy: _reference(reference, repeat_tokens, prompt, {"policy": policy, "budget": 48})[
+        "kept_positions"][1] for policy in ("kvzip", "snapkv", "expected_attention")}
+    assert not torch.equal(kept["kvzip"].sort().values, kept["snapkv"].sort().values)
+    assert not torch.equal(kept["kvzip"].sort().values, kept["expected_attention"].sort().values)
+
+
+def test_repeat_passes_chunk_the_prompt_as_kvpress():
+    """The passes cover the prompt in chunks; the first one's instruction is
+    the first, a later one's the next instruction and the `overlap` tokens
+    before its chunk; a chunk shrinks where max_model_len leaves less room,
+    and a prompt with no room for any pass is refused, naming max_model_len."""
+    tokens = RepeatTokens(first=(1, 2), next=(3,), suffix=(9,))
+    context = list(range(100, 125))
+    passes = repeat_passes(context, KVzip(chunk_size=10, overlap=2), tokens)
+    assert [(p.start, p.end) for p in passes] == [(0, 10), (10, 20), (20, 25)]
+    assert passes[0].tokens == (1, 2, 9, *range(100, 110))
+    assert passes[1].tokens == (3, 108, 109, 9, *range(110, 120))
+    assert all(p.context_len == 25 for p in passes)
+    # Room for 25 + 3 (the longest head: the next instruction and 2 tokens) + 1 + a chunk of 6.
+    assert [(p.start, p.end) for p in repeat_passes(context, KVzip(chunk_size=10, overlap=2), tokens, 35)] == \
+        [(0, 6), (6, 12), (12, 18), (18, 24), (24, 25)]
+    with pytest.raises(ValueError, match="max_model_len 29"):
+        repeat_passes(context, KVzip(chunk_size=10, overlap=2), tokens, 29)
+
+
+def test_subsample_scores_are_kvpress_softmax():
+    """A pass's query's softmax holds the sinks, its chunk and the pass's
+    own tokens up to itself; the chunk's scores are the highest over the
+    queries and the KV head's query heads."""
+    torch.manual_seed(0)
+    rp = RepeatPass(context_len=20, start=8, end=12, sink_tokens=2, tokens=(0,) * 5)
+    logits = torch.randn(2, 3, 5, 2 + 4 + 5)  # [Hkv, G, n, sinks + chunk + own]
+    q_slots = torch.arange(20, 25)
+    got = subsample_scores(logits, rp, q_slots, lambda x: torch.softmax(x, dim=-1))
+    want = torch.zeros(2, 4)
+    for h in range(2):
+        for g in range(3):
+            for i in range(5):
+                visible = logits[h, g, i, : 6 + i + 1]  # sinks, chunk, own tokens to itself
+                want[h] = torch.maximum(want[h], torch.softmax(visible, dim=-1)[2:6])
+    torch.testing.assert_close(got, want)
+
+
+def test_kvzip_refuses_what_it_cannot_serve():
+    """A trigger other than once, allocations that derive budgets while the
+    prompt runs, merges and reuse are refused, each naming its field."""
+    for extra, field in (({"trigger": "rolling"}, "trigger"), ({"allocation": "per_head"}, "allocation"),
+                         ({"allocation": "adaptive"}, "allocation"), ({"merge": "minicache"}, "merge"),
+                         ({"reuse": True}, "reuse")):
+        with pytest.raises(ValueError, match=field):
+            KVCompressConfig.from_dict({"policy": "kvzip", "budget": 64, **extra}).components()
