@@ -23,6 +23,8 @@ lower layer's paged slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vllm_kvcompress.cache_layout import CacheDType
@@ -77,7 +79,7 @@ class ReferenceDecoder:
         self.geometry: QueryGeometry | None = QueryGeometry(
             cos_sin=self._full_attention_cos_sin, max_position=cfg.max_position_embeddings, scale=self.scale)
         # KVzip's repeat passes read every compressed layer's logits (`_repeat_scores`).
-        self._on_logits = None
+        self._on_logits: Callable[..., None] | None = None
 
     # ------------------------------------------------------------ model
 
@@ -193,7 +195,7 @@ class ReferenceDecoder:
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _repeat_scores(self, prompt: list[int], cache, scorer, repeat_tokens, max_model_len: int | None,
-                       cache_dtype: CacheDType) -> list[torch.Tensor]:
+                       cache_dtype: CacheDType) -> list[torch.Tensor | None]:
         """KVzip: per compressed layer [Hkv, len(prompt)] the scores of the
         prompt's repeat passes, each run over a copy of the prefilled cache
         (its own keys and values then dropped)."""
@@ -203,7 +205,7 @@ class ReferenceDecoder:
         if repeat_tokens is None or "linear_attention" in self.layer_types:
             raise ValueError("reference decoder: kvzip needs repeat_tokens, and a model without Gated DeltaNet layers")
         group = self.num_q_heads // self.num_kv_heads
-        scores = [torch.zeros(self.num_kv_heads, len(prompt)) for _ in self.compressed]
+        scores: list[torch.Tensor | None] = [torch.zeros(self.num_kv_heads, len(prompt)) for _ in self.compressed]
         for rp in repeat_passes(prompt, scorer, repeat_tokens, max_model_len):
             slots = torch.arange(rp.context_len, rp.context_len + len(rp.tokens))
             keys = subsample_slots(rp, int(slots[-1]))
@@ -212,7 +214,9 @@ class ReferenceDecoder:
                 sink = None if sinks is None else sinks.float().view(self.num_kv_heads, group, 1, 1)
                 subsample = logits[:, :, keys].reshape(self.num_kv_heads, group, len(slots), len(keys))
                 chunk = subsample_scores(subsample, rp, slots, lambda x: softmax_with_sinks(x, sink))
-                scores[c][:, rp.start: rp.end] = torch.maximum(scores[c][:, rp.start: rp.end], chunk)
+                layer = scores[c]
+                assert layer is not None
+                layer[:, rp.start: rp.end] = torch.maximum(layer[:, rp.start: rp.end], chunk)
 
             self._on_logits = on_logits
             try:

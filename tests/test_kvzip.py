@@ -11,10 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import engine_kwargs, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.scorers.kvzip import KVzip, RepeatPass, RepeatTokens, repeat_passes, subsample_scores
-
-from helpers import engine_kwargs, random_prompts
 
 NEW_TOKENS = 12
 MAX_MODEL_LEN = 1024

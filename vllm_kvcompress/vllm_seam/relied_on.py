@@ -119,6 +119,25 @@ attribute | vllm.v1.engine:EngineCoreOutput.new_token_ids | 0.32-0.34 | construc
 attribute | vllm.v1.engine:EngineCoreOutput.finish_reason | 0.32-0.34 | constructed by keyword
 class | vllm.v1.engine:EngineCoreOutputs | 0.32-0.34 | imported by scheduler.py
 attribute | vllm.v1.engine:EngineCoreOutputs.outputs | 0.32-0.34 | a failed request's output is appended
+attribute | vllm.v1.engine:EngineCoreOutputs.finished_requests | 0.32-0.34 | kvzip: repeat passes left out
+method | vllm.v1.request:Request.__init__ | 0.32-0.34 | kvzip: a repeat pass's request, constructed by keyword
+attribute | vllm.v1.request:Request._block_hasher | 0.32-0.34 | kvzip: a repeat pass hashes blocks as its request
+attribute | vllm.v1.request:Request.prompt_token_ids | 0.32-0.34 | kvzip: the prompt a repeat pass repeats
+attribute | vllm.v1.request:Request.mm_features | 0.32-0.34 | kvzip: multimodal prompts are not repeated
+attribute | vllm.v1.request:Request.lora_request | 0.32-0.34 | kvzip: a repeat pass runs as its request
+attribute | vllm.v1.request:Request.cache_salt | 0.32-0.34 | kvzip: a repeat pass hits its request's blocks
+attribute | vllm.v1.request:Request.priority | 0.32-0.34 | kvzip: a repeat pass runs as its request
+attribute | vllm.v1.request:Request.arrival_time | 0.32-0.34 | kvzip: a repeat pass runs as its request
+method | {_SCHED}.add_request | 0.32-0.34 | kvzip: a repeat pass enqueued
+method | vllm.v1.core.sched.request_queue:RequestQueue.remove_requests | 0.32-0.34
+    | kvzip: repeat passes moved to the front of the waiting queue
+method | vllm.v1.core.sched.request_queue:RequestQueue.prepend_requests | 0.32-0.34
+    | kvzip: repeat passes moved to the front of the waiting queue
+attribute | vllm.sampling_params:SamplingParams.max_tokens | 0.32-0.34 | kvzip: a repeat pass samples one token
+attribute | vllm.sampling_params:SamplingParams.temperature | 0.32-0.34 | kvzip: a repeat pass samples greedily
+attribute | vllm.config.model:ModelConfig.tokenizer | 0.32-0.34 | kvzip: the repeat instructions' tokens
+attribute | vllm.config.model:ModelConfig.tokenizer_revision | 0.32-0.34 | kvzip: the repeat instructions' tokens
+attribute | vllm.config.model:ModelConfig.trust_remote_code | 0.32-0.34 | kvzip: the repeat instructions' tokens
 class | vllm.v1.engine:FinishReason | 0.32-0.34 | imported by scheduler.py
 attribute | vllm.v1.engine:FinishReason.ERROR | 0.32-0.34 | finish_reason of a failed request
 attribute | vllm.v1.outputs:ModelRunnerOutput.sampled_token_ids | 0.32-0.34 | a failed request's token is dropped

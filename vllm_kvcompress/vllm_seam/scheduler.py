@@ -33,7 +33,7 @@ from ..admission import GrowthForecast, Outlook
 from ..config import CONFIG_KEY, KVCompressConfig, KVCompressConfigError, request_overrides
 from ..plan import resolve_plan
 from ..schedule import RequestSchedule, cdiv
-from ..scorers.kvzip import RepeatPass, RepeatTokens, repeat_passes
+from ..scorers.kvzip import KVzip, RepeatPass, RepeatTokens, repeat_passes
 from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, log_failure, report_of
 from .block_manager import CompressedAttentionManager
 from .groups import CompressedLayers
@@ -614,8 +614,9 @@ class KVCompressScheduler(Scheduler):
             try:
                 if request.prompt_token_ids is None or request.mm_features:
                     raise ValueError("kvzip repeats prompts of token ids only (no embeddings or multimodal inputs)")
-                passes = repeat_passes(request.prompt_token_ids, state.plan.scorer, self._repeat_tokens(),
-                                       self.max_model_len)
+                scorer = state.plan.scorer
+                assert isinstance(scorer, KVzip)  # the only scorer that reconstructs its context
+                passes = repeat_passes(request.prompt_token_ids, scorer, self._repeat_tokens(), self.max_model_len)
             except Exception as e:  # noqa: BLE001 - one request's passes, never the engine
                 log_failure(rid, "starting its repeat passes", e)
                 self._kvc_failed.add(rid)

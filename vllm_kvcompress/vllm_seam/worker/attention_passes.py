@@ -304,10 +304,11 @@ class RepeatScores(AttentionPass):
                     scores = paged_repeat_scores(query[r.token_idx], keys, r.block_ids[group], r.q_slots, r.last, rp,
                                                  worker.scales[layer], worker.sinks[layer])
                     layers = worker.repeat_scores.setdefault(r.target, [None] * worker.num_layers)
-                    if layers[layer] is None:
-                        layers[layer] = torch.zeros(scores.shape[0], rp.context_len, dtype=torch.float32,
-                                                    device=scores.device)
-                    chunk = layers[layer][:, rp.start: rp.end]
+                    by_position = layers[layer]
+                    if by_position is None:
+                        by_position = layers[layer] = torch.zeros(scores.shape[0], rp.context_len,
+                                                                  dtype=torch.float32, device=scores.device)
+                    chunk = by_position[:, rp.start: rp.end]
                     chunk.copy_(torch.maximum(chunk, scores))
 
 
