@@ -428,4 +428,11 @@ REVIEWED: tuple[Reviewed, ...] = (
     Reviewed("vllm.entrypoints.scale_out.render.serving.ServingRender.render_chat_request", "0.33-0.34",
              "async (self, request, raw_request=None, engine_chat_template_kwargs=None)",
              "wrap_openai_handler binds (*args, **kwargs) to the original's signature and passes them through"),
+    Reviewed("vllm.v1.request.Request.__init__", "0.34",
+             "(self, request_id, prompt_token_ids, sampling_params, pooling_params, client_index=0, arrival_time=None, "
+             "prompt_embeds=None, prompt_is_token_ids=None, mm_features=None, lora_request=None, cache_salt=None, "
+             "priority=0, trace_headers=None, block_hasher=None, resumable=False, session_id=None, "
+             "reasoning_ended=None, reasoning_parser_kwargs=None, abort_immediately=False, kv_hints=None, "
+             "block_hashes=None)",
+             "a kvzip repeat pass is constructed by keyword; the new parameter has a default (hashed by block_hasher)"),
 )
