@@ -62,6 +62,7 @@ class HFAttentionReference(ReferenceDecoder):
             raise ValueError(f"HF reference: compressed layers with different KV head counts {sorted(kv_heads)}")
         self.num_kv_heads = kv_heads.pop()
         self.step: tuple[RequestTokens | None, torch.Tensor, torch.Tensor | None] | None = None
+        self._on_logits = None  # KVzip's repeat passes (ReferenceDecoder._repeat_scores)
         # Expected attention: the queries reach the attention function after
         # RoPE, and are turned back with transformers' own tables.
         attention = layers[next(iter(self.compressed))].self_attn
@@ -126,6 +127,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     sinks = getattr(module, "sinks", None)
     out, logits = dense_attention(query[0], keys, values, query.shape[-1] ** -0.5 if scaling is None else scaling,
                                   hidden, dead, sinks)
+    if decoder._on_logits is not None:  # a KVzip repeat pass (ReferenceDecoder._repeat_scores)
+        decoder._on_logits(c, logits, sinks)
     if state is not None and observed is not None and observed.any():
         if state.scorer.observe.scores_attention():
             state.observe(c, logits[:, observed], q_positions[observed], sinks)

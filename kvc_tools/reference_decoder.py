@@ -23,6 +23,7 @@ lower layer's paged slots.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -198,12 +199,15 @@ class ReferenceDecoder:
                        cache_dtype: CacheDType) -> list[torch.Tensor | None]:
         """KVzip: per compressed layer [Hkv, len(prompt)] the scores of the
         prompt's repeat passes, each run over a copy of the prefilled cache
-        (its own keys and values then dropped)."""
+        (its own keys and values, and any recurrent state, then dropped).
+        `repeat_tokens` None: from the model's own tokenizer."""
         from vllm_kvcompress.kernels.torch_paged import softmax_with_sinks
-        from vllm_kvcompress.scorers.kvzip import repeat_passes, subsample_scores, subsample_slots
+        from vllm_kvcompress.scorers.kvzip import RepeatTokens, repeat_passes, subsample_scores, subsample_slots
 
-        if repeat_tokens is None or "linear_attention" in self.layer_types:
-            raise ValueError("reference decoder: kvzip needs repeat_tokens, and a model without Gated DeltaNet layers")
+        if repeat_tokens is None:
+            from transformers import AutoTokenizer
+
+            repeat_tokens = RepeatTokens.of(AutoTokenizer.from_pretrained(self.model.name_or_path))
         group = self.num_q_heads // self.num_kv_heads
         scores: list[torch.Tensor | None] = [torch.zeros(self.num_kv_heads, len(prompt)) for _ in self.compressed]
         for rp in repeat_passes(prompt, scorer, repeat_tokens, max_model_len):
@@ -220,7 +224,7 @@ class ReferenceDecoder:
 
             self._on_logits = on_logits
             try:
-                self._forward(list(rp.tokens), slots, list(cache), None, cache_dtype)
+                self._forward(list(rp.tokens), slots, copy.deepcopy(cache), None, cache_dtype)
             finally:
                 self._on_logits = None
         return scores
@@ -276,8 +280,9 @@ class ReferenceDecoder:
         greedy token). A 16-bit model's two decoders part at near ties; forced,
         every token of the other is checked, not only those before they part.
 
-        `repeat_tokens` (`scorers.kvzip.RepeatTokens`), `max_model_len`: a
-        KVzip request's repeat passes, as the engine's scheduler makes them.
+        `repeat_tokens` (`scorers.kvzip.RepeatTokens`; None: from the model's
+        tokenizer), `max_model_len`: a KVzip request's repeat passes, as the
+        engine's scheduler makes them.
 
         `resume`: an earlier `generate`'s result ("resume" in it): this prompt
         begins with that request's prompt and outputs (but the last, whose KV

@@ -135,3 +135,25 @@ def test_kvzip_refuses_what_it_cannot_serve():
                          ({"reuse": True}, "reuse")):
         with pytest.raises(ValueError, match=field):
             KVCompressConfig.from_dict({"policy": "kvzip", "budget": 64, **extra}).components()
+
+
+@pytest.mark.mrv2
+def test_kvzip_survives_preemption(start_engine, tiny_model, reference, repeat_tokens):
+    """A pool too small for everyone: requests and their repeat passes are
+    preempted and resumed; each KVzip request still equals the reference,
+    and every block comes back (no pass leaks one)."""
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", num_gpu_blocks_override=30,
+                                          enable_prefix_caching=True, max_model_len=512))
+    fillers = random_prompts([150] * 2, seed=84)
+    prompts = random_prompts([200 + 9 * i for i in range(7)], seed=85)
+    configs = [{"policy": "kvzip", "budget": 48, "chunk_size": 64 + 16 * i} for i in range(len(prompts))]
+    before = engine.stats()["preemptions"]
+    got = engine.generate(fillers + prompts, 96, [None] * len(fillers) + configs)[len(fillers):]
+    stats = engine.stats()
+    assert stats["preemptions"] > before, "the cache was meant to be too small"
+    assert stats["free_blocks"] == stats["total_blocks"]
+    for prompt, config, tokens in zip(prompts, configs, got):
+        cfg = KVCompressConfig.from_dict(config)
+        want = reference.generate(prompt, 96, cfg, block_size=32, repeat_tokens=repeat_tokens,
+                                  max_model_len=512)["tokens"]
+        assert tokens == want, config

@@ -94,10 +94,12 @@ def test_prefix_cached_requests_survive_preemption(start_engine, tiny_model, ref
     # compressed ones copy what they keep of the shared blocks, and one with
     # no room to copy is preempted (and replays exactly).
     fillers[0] = system + fillers[0][len(system):]
-    prompts = [system + p for p in random_prompts([90 + 7 * i for i in range(6)], seed=82)]
+    prompts = [system + p for p in random_prompts([90 + 7 * i for i in range(7)], seed=82)]
+    # KVzip: its repeat passes are requests of their own, preempted like any (and waited for).
     configs = [{"policy": "h2o", "budget": 64}, {"policy": "snapkv", "budget": 64, "window": 8},
                {"policy": "tova", "budget": 48, "window": 4}, {"policy": "rkv", "budget": 16, "interval": 8},
-               {"policy": "streamingllm", "budget": 48}, {"policy": "snapkv", "compression_ratio": 0.5, "window": 8}]
+               {"policy": "streamingllm", "budget": 48}, {"policy": "snapkv", "compression_ratio": 0.5, "window": 8},
+               {"policy": "kvzip", "budget": 64, "chunk_size": 96}]
     before = engine.stats()["preemptions"]
     got = engine.generate_with_hits(fillers + prompts, PREFIX_NEW_TOKENS, [None] * FILLERS + configs)[FILLERS:]
     stats = engine.stats()
