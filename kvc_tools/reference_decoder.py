@@ -201,7 +201,6 @@ class ReferenceDecoder:
         prompt's repeat passes, each run over a copy of the prefilled cache
         (its own keys and values, and any recurrent state, then dropped).
         `repeat_tokens` None: from the model's own tokenizer."""
-        from vllm_kvcompress.kernels.torch_paged import softmax_with_sinks
         from vllm_kvcompress.scorers.kvzip import RepeatTokens, repeat_passes, subsample_scores, subsample_slots
 
         if repeat_tokens is None:
@@ -215,9 +214,9 @@ class ReferenceDecoder:
             keys = subsample_slots(rp, int(slots[-1]))
 
             def on_logits(c: int, logits: torch.Tensor, sinks, rp=rp, slots=slots, keys=keys) -> None:
-                sink = None if sinks is None else sinks.float().view(self.num_kv_heads, group, 1, 1)
+                sink = None if sinks is None else sinks.float().view(self.num_kv_heads, group)
                 subsample = logits[:, :, keys].reshape(self.num_kv_heads, group, len(slots), len(keys))
-                chunk = subsample_scores(subsample, rp, slots, lambda x: softmax_with_sinks(x, sink))
+                chunk = subsample_scores(subsample, rp, slots, sink)
                 layer = scores[c]
                 assert layer is not None
                 layer[:, rp.start: rp.end] = torch.maximum(layer[:, rp.start: rp.end], chunk)

@@ -111,20 +111,23 @@ def test_repeat_passes_chunk_the_prompt_as_kvpress():
 
 def test_subsample_scores_are_kvpress_softmax():
     """A pass's query's softmax holds the sinks, its chunk and the pass's
-    own tokens up to itself; the chunk's scores are the highest over the
-    queries and the KV head's query heads."""
+    own tokens up to itself (and a model's sink logit, gpt-oss); the chunk's
+    scores are the highest over the queries and the KV head's query heads."""
     torch.manual_seed(0)
     rp = RepeatPass(context_len=20, start=8, end=12, sink_tokens=2, tokens=(0,) * 5)
     logits = torch.randn(2, 3, 5, 2 + 4 + 5)  # [Hkv, G, n, sinks + chunk + own]
     q_slots = torch.arange(20, 25)
-    got = subsample_scores(logits, rp, q_slots, lambda x: torch.softmax(x, dim=-1))
-    want = torch.zeros(2, 4)
-    for h in range(2):
-        for g in range(3):
-            for i in range(5):
-                visible = logits[h, g, i, : 6 + i + 1]  # sinks, chunk, own tokens to itself
-                want[h] = torch.maximum(want[h], torch.softmax(visible, dim=-1)[2:6])
-    torch.testing.assert_close(got, want)
+    for sinks in (None, torch.randn(2, 3)):
+        got = subsample_scores(logits, rp, q_slots, sinks)
+        want = torch.zeros(2, 4)
+        for h in range(2):
+            for g in range(3):
+                for i in range(5):
+                    visible = logits[h, g, i, : 6 + i + 1]  # sinks, chunk, own tokens to itself
+                    if sinks is not None:
+                        visible = torch.cat([visible, sinks[h, g].view(1)])
+                    want[h] = torch.maximum(want[h], torch.softmax(visible, dim=-1)[2:6])
+        torch.testing.assert_close(got, want)
 
 
 def test_kvzip_refuses_what_it_cannot_serve():

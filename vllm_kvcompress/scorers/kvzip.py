@@ -23,7 +23,7 @@ reference decoder runs the same passes over a copy of its dense cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -157,20 +157,24 @@ def repeat_passes(context: Sequence[int], scorer: KVzip, tokens: RepeatTokens,
 
 
 def subsample_scores(logits: torch.Tensor, rp: RepeatPass, q_slots: torch.Tensor,
-                     softmax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A repeat pass's queries' scores of its chunk: `logits` [Hkv, G, n, K]
     of n queries (at slots `q_slots` [n] of the request's context and pass)
-    over the keys `subsample_slots(rp, last)` lists; `softmax` of the last
-    dimension (the model's sinks in its denominator). Returns [Hkv, end -
-    start]: the highest probability a query of the pass gives each chunk
-    token, over the queries and the KV head's query heads."""
-    sinks, chunk = rp.sinks, rp.end - rp.start
-    own = torch.arange(logits.shape[-1] - sinks - chunk, device=logits.device) + rp.context_len
+    over the keys `subsample_slots(rp, last)` lists; `sinks` [Hkv, G] (a
+    model's learned sink logit per query head, None: none) in each softmax's
+    denominator. Returns [Hkv, end - start]: the
+    highest probability a query of the pass gives each chunk token, over the
+    queries and the KV head's query heads. Only the chunk's probabilities are
+    formed (from each row's log-sum-exp); `logits` is overwritten (masked)."""
+    head = rp.sinks + rp.end - rp.start  # the sinks and the chunk: every query sees them all
+    own = torch.arange(logits.shape[-1] - head, device=logits.device) + rp.context_len
     hidden = own[None, :] > q_slots[:, None]  # [n, own]: a pass's query sees its own tokens up to itself
-    logits = logits.clone()
-    logits[..., sinks + chunk:].masked_fill_(hidden, float("-inf"))
-    probs = softmax(logits)
-    return probs[..., sinks: sinks + chunk].amax(dim=(1, 2))
+    logits[..., head:].masked_fill_(hidden, float("-inf"))
+    norm = torch.logsumexp(logits, dim=-1)
+    if sinks is not None:
+        norm = torch.logaddexp(norm, sinks.to(norm.dtype).unsqueeze(-1).expand_as(norm))
+    probs = torch.exp(logits[..., rp.sinks: head] - norm.unsqueeze(-1))
+    return probs.amax(dim=(1, 2))
 
 
 def subsample_slots(rp: RepeatPass, last: int, device=None) -> torch.Tensor:
@@ -193,21 +197,24 @@ def paged_repeat_scores(query: torch.Tensor, key_cache: torch.Tensor, block_ids:
     its slots are its logical positions: a repeat pass evicts nothing).
     Returns [Hkv, end - start] float32, the queries taken in pieces of a
     bounded size (a maximum joins them)."""
-    from ..kernels.torch_paged import gather_dense, softmax_with_sinks
+    from ..kernels.torch_paged import gather_dense
 
     n, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_q_heads // num_kv_heads
     slots = subsample_slots(rp, last, key_cache.device)
     keys = gather_dense(key_cache, block_ids, last + 1)[:, slots].to(torch.float32)  # [Hkv, K, D]
-    keys_t = keys.transpose(-1, -2).unsqueeze(1)  # [Hkv, 1, D, K]
-    sink = None if sinks is None else sinks.view(num_kv_heads, group, 1, 1)
-    q = query.to(torch.float32).view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+    keys_t = keys.transpose(-1, -2).contiguous()  # [Hkv, D, K]: one batched matmul per piece
+    sink = None if sinks is None else sinks.view(num_kv_heads, group)
+    # [Hkv, G, n, D], scaled once.
+    q = (query.to(torch.float32) * scale).view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     piece = max(1, _REPEAT_ELEMENTS // (num_q_heads * len(slots)))
     best: torch.Tensor | None = None
     for i in range(0, n, piece):
-        logits = torch.matmul(q[:, :, i: i + piece], keys_t) * scale
-        scores = subsample_scores(logits, rp, q_slots[i: i + piece], lambda x: softmax_with_sinks(x, sink))
+        rows = q[:, :, i: i + piece]
+        m = rows.shape[2]
+        logits = torch.bmm(rows.reshape(num_kv_heads, group * m, head_dim), keys_t).view(num_kv_heads, group, m, -1)
+        scores = subsample_scores(logits, rp, q_slots[i: i + piece], sink)
         best = scores if best is None else torch.maximum(best, scores)
     assert best is not None, "a repeat pass's step has queries"
     return best
