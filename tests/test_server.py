@@ -176,7 +176,8 @@ def test_invalid_per_request_values_are_400_and_the_server_keeps_serving(server,
 def test_many_concurrent_requests_and_metrics(server):
     prompts = random_prompts([40 + 23 * i for i in range(20)], seed=47)
     xargs = [None, {"kv_compress": "h2o", "kv_compress_budget": 48}, {"kv_compress": "none"},
-             {"kv_compress": "streamingllm", "kv_compress_ratio": 0.5}, {"kv_compress": "kvzip", "kv_compress_ratio": 0.5}]
+             {"kv_compress": "streamingllm", "kv_compress_ratio": 0.5},
+             {"kv_compress": "kvzip", "kv_compress_ratio": 0.5}]
 
     def one(i):
         return complete(server, prompts[i], max_tokens=24, ignore_eos=True, vllm_xargs=xargs[i % len(xargs)])
