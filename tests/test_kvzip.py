@@ -160,3 +160,23 @@ def test_kvzip_survives_preemption(start_engine, tiny_model, reference, repeat_t
         want = reference.generate(prompt, 96, cfg, block_size=32, repeat_tokens=repeat_tokens,
                                   max_model_len=512)["tokens"]
         assert tokens == want, config
+
+
+@pytest.mark.mrv2
+def test_kvzip_passes_never_wait_on_requests_that_wait_for_them(start_engine, tiny_model, reference,
+                                                                  repeat_tokens):
+    """Two prefilled requests hold most of a small pool while they wait for
+    their repeat passes, which need blocks of their own: the scheduler
+    preempts a waiting request (its blocks stay cached for its passes to
+    hit) instead of idling forever, and both answers equal the reference."""
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", num_gpu_blocks_override=18,
+                                          enable_prefix_caching=True, max_model_len=512))
+    prompts = random_prompts([250, 240], seed=86)
+    configs = [{"policy": "kvzip", "budget": 48}] * 2
+    got = engine.generate(prompts, 16, configs)
+    stats = engine.stats()
+    assert stats["free_blocks"] == stats["total_blocks"]
+    for prompt, config, tokens in zip(prompts, configs, got):
+        want = reference.generate(prompt, 16, KVCompressConfig.from_dict(config), block_size=32,
+                                  repeat_tokens=repeat_tokens, max_model_len=512)["tokens"]
+        assert tokens == want

@@ -41,6 +41,8 @@ SETTINGS = [
     {"policy": "streamingllm", "budget": 48, "interval": 8},  # observes nothing
     # Rolling: accepted drafts' queries, turned back before RoPE, join the moments.
     {"policy": "expected_attention", "budget": 64, "trigger": "rolling", "interval": 16},
+    # Repeat passes (requests of their own, drafted for too) before the request's second token.
+    {"policy": "kvzip", "budget": 64},
 ]
 PROMPTS_PER_SETTING = 2
 

@@ -327,6 +327,8 @@ class KVCompressScheduler(Scheduler):
         restored = self._take_saved_state_hits(output.num_scheduled_tokens)
         if self._kvc_to_repeat:
             self._start_repeat_passes(output.num_scheduled_tokens)
+        if self._kvc_repeating and not output.num_scheduled_tokens:
+            self._unblock_repeat_passes()
         # Scheduled without vLLM asking `_reserve_prefill_lookahead` (none
         # known on 0.32-0.34): their lengths moved unseen, so they are looked at.
         self._kvc_may_be_due.update(output.num_scheduled_tokens.keys() - self._kvc_sized)
@@ -638,6 +640,25 @@ class KVCompressScheduler(Scheduler):
             self.waiting.remove_requests(ahead)
             self.waiting.prepend_requests(ahead)
             self._kvc_repeating[rid] = children
+
+    def _unblock_repeat_passes(self) -> None:
+        """Nothing was scheduled while requests wait for their repeat passes:
+        the passes wait for blocks that the waiting requests hold (nothing
+        else runs to free any). The newest such request whose passes have not
+        started is preempted (as vLLM preempts: it replays exactly); its blocks
+        stay cached for its passes to hit, and its passes go ahead of it."""
+        for request in reversed(self.running):
+            rid = request.request_id
+            passes = self._kvc_repeating.get(rid)
+            if passes is None or any(self.requests[p].status is _RUNNING for p in passes if p in self.requests):
+                continue
+            logger.warning("kv_compress %s: preempted: its repeat passes wait for blocks it holds", rid)
+            self.running.remove(request)
+            self._preempt_request(request, time.monotonic())
+            ahead = [r for r in self.waiting if r.request_id in passes]
+            self.waiting.remove_requests(ahead)
+            self.waiting.prepend_requests(ahead)
+            return
 
     def _repeat_tokens(self) -> RepeatTokens:
         """The repeat passes' instructions, from the model's tokenizer (loaded once)."""
