@@ -15,6 +15,13 @@ setting runs `--rounds` times in turn; medians with their range.
 
     python benchmarks/kvzip_cost.py                           # 8 x 1024 tokens, 3 rounds
     python benchmarks/kvzip_cost.py --length 2048 --requests 4
+    python benchmarks/kvzip_cost.py --scoring                 # one layer's pass scoring against its attention
+
+`--scoring` times, on one layer of SmolLM2's shapes (9 query heads, 3 KV
+heads, head size 64), the scoring of one repeat pass of a `--length`-token
+prompt (`paged_repeat_scores`) beside torch's `scaled_dot_product_attention`
+of the same queries over the same keys (what the pass's attention computes),
+seven times each, medians and ranges.
 
 Writes benchmarks/results/kvzip_cost.{json,md}.
 """
@@ -84,6 +91,32 @@ def run_setting(llm, prompts: list[list[int]], override: dict | None, new_tokens
             "first_token_s": statistics.median(first.values()), "second_token_s": statistics.median(second.values())}
 
 
+def time_scoring(length: int) -> str:
+    import torch
+
+    from vllm_kvcompress.scorers.kvzip import RepeatPass, paged_repeat_scores
+
+    torch.manual_seed(0)
+    n, q_heads, kv_heads, head_dim, block = length + 14, 9, 3, 64, 32  # a pass: instruction, suffix, the prompt
+    rp = RepeatPass(length, 0, length, 4, tuple(range(n)))
+    total = length + n
+    blocks = -(-total // block)
+    cache = torch.randn(blocks, block, kv_heads, head_dim)
+    query, slots = torch.randn(n, q_heads, head_dim), torch.arange(length, length + n)
+    keys = cache.reshape(-1, kv_heads, head_dim)[:total].permute(1, 0, 2).repeat_interleave(q_heads // kv_heads, 0)
+    mask = torch.ones(n, total, dtype=torch.bool).tril(length)
+    scoring, attention = [], []
+    for _ in range(7):
+        t = time.perf_counter()
+        paged_repeat_scores(query, cache, torch.arange(blocks), slots, total - 1, rp, head_dim ** -0.5)
+        scoring.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        torch.nn.functional.scaled_dot_product_attention(query.transpose(0, 1), keys, keys, attn_mask=mask)
+        attention.append(time.perf_counter() - t)
+    return (f"one layer, a pass of {n} queries over {total} keys (torch threads: {torch.get_num_threads()}): "
+            f"scoring {_spread(scoring, '.3f')} s, attention {_spread(attention, '.3f')} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=8)
@@ -92,7 +125,11 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.875)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(RESULTS / "kvzip_cost"))
+    ap.add_argument("--scoring", action="store_true", help="time one layer's pass scoring and attention only")
     args = ap.parse_args()
+    if args.scoring:
+        print(time_scoring(args.length))
+        return
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the scheduler in this process
     from vllm import LLM
 

@@ -347,7 +347,8 @@ class ReferenceDecoder:
                 state.next_due = plan.next_due(logical)
             logits = self._forward(prompt[logical:end], torch.arange(logical, end), cache, state, cache_dtype)
             logical = end
-        if resolved is not None and resolved.scorer.reconstructs_context and resolved.compresses_prompt:
+        if resolved is not None and resolved.scorer.reconstructs_context and resolved.compresses_prompt \
+                and resume is None:  # a resumed state's tokens keep their scores (KVzip.score)
             assert state is not None
             state.take_repeat_scores(self._repeat_scores(prompt, cache, resolved.scorer, repeat_tokens, max_model_len,
                                                          cache_dtype))

@@ -132,10 +132,9 @@ def test_subsample_scores_are_kvpress_softmax():
 
 def test_kvzip_refuses_what_it_cannot_serve():
     """A trigger other than once, allocations that derive budgets while the
-    prompt runs, merges and reuse are refused, each naming its field."""
+    prompt runs and merges are refused, each naming its field."""
     for extra, field in (({"trigger": "rolling"}, "trigger"), ({"allocation": "per_head"}, "allocation"),
-                         ({"allocation": "adaptive"}, "allocation"), ({"merge": "minicache"}, "merge"),
-                         ({"reuse": True}, "reuse")):
+                         ({"allocation": "adaptive"}, "allocation"), ({"merge": "minicache"}, "merge")):
         with pytest.raises(ValueError, match=field):
             KVCompressConfig.from_dict({"policy": "kvzip", "budget": 64, **extra}).components()
 
@@ -180,3 +179,23 @@ def test_kvzip_passes_never_wait_on_requests_that_wait_for_them(start_engine, ti
         want = reference.generate(prompt, 16, KVCompressConfig.from_dict(config), block_size=32,
                                   repeat_tokens=repeat_tokens, max_model_len=512)["tokens"]
         assert tokens == want
+
+
+def test_kvzip_keeps_a_continuing_requests_new_tokens(reference, repeat_tokens):
+    """A request continuing a saved KVzip state (`reuse`: a question on a
+    document compressed once) runs no repeat pass: its own tokens are kept
+    whole, and the state's tokens give way by their scores (it keeps a subset
+    of what the document kept)."""
+    from kvc_tools.reference_decoder import at_length
+
+    document, question = random_prompts((300, 30), seed=87)
+    cfg = KVCompressConfig.from_dict({"policy": "kvzip", "budget": 64, "reuse": True})
+    first = reference.generate(document, NEW_TOKENS, cfg, block_size=32, repeat_tokens=repeat_tokens)
+    out = reference.generate(document + question, NEW_TOKENS, cfg, block_size=32,
+                             resume=at_length(first, len(document)))
+    new = set(range(len(document), len(document) + len(question)))
+    for before, after in zip(first["kept_positions"], out["kept_positions"]):
+        for head_before, head_after in zip(before, after):
+            kept, document_kept = set(head_after.tolist()), {p for p in head_before.tolist() if p < len(document)}
+            assert new <= kept
+            assert {p for p in kept if p < len(document)} < document_kept  # a subset: some gave way

@@ -129,6 +129,10 @@ class RequestTokens:
         # Whether any query's attention can still influence a compression
         # (fixed by the plan): compressing once, a prompt within budget is never compressed.
         self.needs_attention = self.scorer.observe.attends() and (plan.trigger.repeats() or plan.compresses_prompt)
+        # KVzip: logical positions below this were scored by the prompt's
+        # repeat passes (`take_repeat_scores`); their scores stay with the kept
+        # tokens, for a request continuing this state (`reuse`).
+        self.scored_len = 0
         self._span_of: tuple[int | None, tuple[int, int] | None] | None = None  # (next_due, its span), cached
 
     def continue_from(self, saved: RequestTokens) -> None:
@@ -144,6 +148,7 @@ class RequestTokens:
         self.moments = [None if m is None else m.copy() for m in saved.moments]
         self.dead, self._num_dead = list(saved.dead), saved._num_dead
         self.num_compressions = saved.num_compressions
+        self.scored_len = saved.scored_len
 
     def truncated(self, logical_len: int) -> RequestTokens:
         """This state as it was at `logical_len` tokens, the newer ones dropped
@@ -337,6 +342,7 @@ class RequestTokens:
                 raise RuntimeError(f"kv_compress: repeat passes scored {by_position.shape[-1]} tokens, "
                                    f"layer {layer} holds {positions.shape[-1]}")
             self.attention[layer] = by_position.gather(1, positions).repeat_interleave(self.group, dim=0)
+            self.scored_len = by_position.shape[-1]
 
     def _observed(self, layer: int) -> torch.Tensor | None:
         """[Hq, T] accumulated attention of the layer's T cached tokens (None: nothing observed)."""
@@ -461,6 +467,7 @@ class RequestTokens:
             query_moments=self.moments[layer],
             geometry=self.geometry,
             logical_len=self.logical_len,
+            scored_len=self.scored_len,
         )
         return self.scorer.score(obs), positions
 
@@ -482,8 +489,11 @@ class RequestTokens:
         self._tail_len = 0
         self.num_compressions += 1
         self._last_key, self._last_selected = None, None  # never reused: the key holds the compaction
-        if not self.plan.trigger.repeats() or self.scorer.observe.afresh_after_compaction():
-            # Never needed again (once), or the next window starts afresh (recent).
+        if (not self.plan.trigger.repeats() or self.scorer.observe.afresh_after_compaction()) \
+                and not self.scorer.reconstructs_context:
+            # Never needed again (once), or the next window starts afresh
+            # (recent). KVzip's stay: a request continuing this state (`reuse`)
+            # selects among its tokens by them.
             self.attention = [None] * self.num_layers
         if not self.plan.trigger.repeats():
             self.moments = [None] * self.num_layers  # a repeating trigger's next compression reads every query

@@ -214,6 +214,9 @@ class Observation:
     query_moments: QueryMoments | None = None
     geometry: QueryGeometry | None = None
     logical_len: int = 0
+    # KVzip: logical positions below this were scored by repeat passes (the
+    # others came after a saved state the request continues).
+    scored_len: int = 0
 
     def cached_keys(self) -> torch.Tensor:
         """[num_kv_heads, T, head_dim] the layer's cached keys (float32, on the cache's device)."""

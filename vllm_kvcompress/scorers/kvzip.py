@@ -74,10 +74,7 @@ class KVzip(Scorer):
              f"{parts.allocation.name!r} derives budgets while the prompt runs; valid with it: ['pyramid', "
              f"'uniform']"),
             (parts.merge.name != "none", "merge",
-             f"scorer 'kvzip' is not composed with merge {parts.merge.name!r}; valid with it: ['none']"),
-            (bool(config.reuse), "reuse",
-             "scorer 'kvzip' reconstructs a whole uncompressed prompt, and a request continuing a saved compressed "
-             "state has none; use expected_attention with reuse"))
+             f"scorer 'kvzip' is not composed with merge {parts.merge.name!r}; valid with it: ['none']"))
 
     def protected(self, budget: int) -> tuple[int, int]:
         return self.sink_tokens, 0
@@ -86,10 +83,15 @@ class KVzip(Scorer):
         return self.sink_tokens + 1
 
     def score(self, obs: Observation) -> torch.Tensor:
-        if obs.attention is None:
+        if obs.attention is None or obs.scored_len == 0:
             raise RuntimeError(f"kv_compress: kvzip has no repeat-pass scores for layer {obs.layer}")
         # Each query head holds its KV head's scores (`RequestTokens.take_repeat_scores`).
-        return obs.attention.view(obs.num_kv_heads, -1, obs.attention.shape[-1]).amax(dim=1)
+        scores = obs.attention.view(obs.num_kv_heads, -1, obs.attention.shape[-1]).amax(dim=1)
+        # Tokens after the repeated prompt (a request continuing a saved
+        # state, `reuse`: its own new tokens, never repeated) are kept before
+        # any repeated one (scores are probabilities, at most 1), the newest first.
+        unscored = obs.positions >= obs.scored_len
+        return torch.where(unscored, 2.0 + obs.positions.to(torch.float32), scores)
 
 
 @dataclass(frozen=True)

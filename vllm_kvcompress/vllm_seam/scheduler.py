@@ -611,6 +611,10 @@ class KVCompressScheduler(Scheduler):
             if request.num_computed_tokens < request.num_prompt_tokens:
                 continue
             self._kvc_to_repeat.discard(rid)
+            if self._kvc_began.get(rid) is not None:
+                # It continues a saved state (`reuse`): the state's tokens keep
+                # their scores, its own new ones are kept before them (KVzip.score).
+                continue
             state = self.kvc_states[rid]
             assert state.plan is not None
             try:
