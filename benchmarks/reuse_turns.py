@@ -26,12 +26,14 @@ every question at once, each prompt the document's tokens and the question's
 (completions with token ids, the chat template written out), at kept 1/4 ..
 1/32: full KV (vanilla vLLM), each question compressing document and
 question again (snapkv-span, which sees the question), and `reuse` of the
-document's state (snapkv-span, which chose for the document's end, and
-expected attention, which needs no question). One plugin server for the
-compressed settings (their states are keyed apart), one vanilla server.
+document's state (snapkv-span, which chose for the document's end,
+expected attention and KVzip, which need no question). One plugin server for
+the compressed settings (their states are keyed apart), one vanilla server;
+`--only` picks compressed settings by label (full KV always runs).
 
     python benchmarks/reuse_turns.py --conversations 8 --turns 3 --length 2048 --blocks 256
     python benchmarks/reuse_turns.py --document --questions 16 --length 2048
+    python benchmarks/reuse_turns.py --document --only kvzip --out benchmarks/results/reuse_document_kvzip
 
 Writes benchmarks/results/reuse_turns.{json,md} (reuse_document.* with --document).
 """
@@ -173,6 +175,8 @@ DOCUMENT_SETTINGS = {
     "recompressed, snapkv-span": {"policy": "snapkv-span"},
     "reuse, snapkv-span": {"policy": "snapkv-span", "reuse": 1},
     "reuse, expected_attention": {"policy": "expected_attention", "reuse": 1},
+    # The document's repeat passes score it once; the questions run none (they continue its state).
+    "reuse, kvzip": {"policy": "kvzip", "reuse": 1},
 }
 RATIOS = (0.75, 0.875, 0.9375, 0.96875)  # kept 1/4 .. 1/32
 
@@ -221,10 +225,14 @@ def run_document(args, model: str) -> dict:
     document, questions, values = document_prompts(model, args)
     jobs: list[tuple[str, float | None, dict | None]] = [("full KV (vanilla vLLM)", None, None)]
     jobs += [(label, ratio, {**setting, "compression_ratio": ratio})
-             for ratio in RATIOS for label, setting in DOCUMENT_SETTINGS.items()]
+             for ratio in RATIOS for label, setting in DOCUMENT_SETTINGS.items()
+             if not args.only or any(o in label for o in args.only)]
     rows = []
     servers: dict[bool, Server] = {}
-    max_len = str(len(document) + max(map(len, questions)) + args.max_tokens + 64)
+    longest = len(document) + max(map(len, questions)) + args.max_tokens + 64
+    if any(setting and setting["policy"] == "kvzip" for _, _, setting in jobs):
+        longest += len(document) + 64  # a repeat pass: the document, an instruction and the document again
+    max_len = str(longest)
     try:
         for label, ratio, setting in jobs:
             plugin = setting is not None
