@@ -43,15 +43,14 @@ def kvpress_side(inp: str, out: str) -> None:
 
     job = json.loads(Path(inp).read_text())
     model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
-    press = KVzipPress(compression_ratio=0.5, n_sink=job["sink_tokens"])
+    press = KVzipPress(compression_ratio=0.5, n_sink=job["sink_tokens"], chunk_size=job["chunk_size"])
     captured = {}
 
     def capture(_model) -> None:  # instead of compress_post: the scores are what is compared
         captured["scores"] = press.score_val[:, 0].clone()
 
     press.compress_post = capture
-    press.prepare = functools.partial(KVzipPress.prepare, press, chunk_size=job["chunk_size"],
-                                      prev_postfix_size=job["overlap"])
+    press.prepare = functools.partial(KVzipPress.prepare, press, prev_postfix_size=job["overlap"])
     with torch.no_grad(), press(model):
         model(input_ids=torch.tensor([job["tokens"]]), past_key_values=DynamicCache(config=model.config))
         press.prefix_length = 0  # the whole prompt is the context, as the plugin repeats it
