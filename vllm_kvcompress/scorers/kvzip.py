@@ -153,7 +153,8 @@ def repeat_passes(context: Sequence[int], scorer: KVzip, tokens: RepeatTokens,
     passes = []
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        head = tokens.first if start == 0 else tokens.next + tuple(context[max(start - scorer.overlap, 0): start])
+        # A later pass's instruction ends with the previous chunk's last `overlap` tokens (kvpress's postfix).
+        head = tokens.first if start == 0 else tokens.next + tuple(context[start - min(scorer.overlap, chunk): start])
         passes.append(RepeatPass(n, start, end, scorer.sink_tokens, (*head, *tokens.suffix, *context[start:end])))
     return passes
 

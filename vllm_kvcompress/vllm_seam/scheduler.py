@@ -639,10 +639,7 @@ class KVCompressScheduler(Scheduler):
                                 block_hasher=request._block_hasher)
                 self.add_request(child)
                 children.add(cid)
-            # First in line: the request holds its blocks while it waits for them.
-            ahead = [r for r in self.waiting if r.request_id in children]
-            self.waiting.remove_requests(ahead)
-            self.waiting.prepend_requests(ahead)
+            self._put_first(children)  # the request holds its blocks while it waits for them
             self._kvc_repeating[rid] = children
 
     def _unblock_repeat_passes(self) -> None:
@@ -659,10 +656,14 @@ class KVCompressScheduler(Scheduler):
             logger.warning("kv_compress %s: preempted: its repeat passes wait for blocks it holds", rid)
             self.running.remove(request)
             self._preempt_request(request, time.monotonic())
-            ahead = [r for r in self.waiting if r.request_id in passes]
-            self.waiting.remove_requests(ahead)
-            self.waiting.prepend_requests(ahead)
+            self._put_first(passes)
             return
+
+    def _put_first(self, request_ids: set[str]) -> None:
+        """These waiting requests (repeat passes) to the front of the waiting queue."""
+        ahead = [r for r in self.waiting if r.request_id in request_ids]
+        self.waiting.remove_requests(ahead)
+        self.waiting.prepend_requests(ahead)
 
     def _repeat_tokens(self) -> RepeatTokens:
         """The repeat passes' instructions, from the model's tokenizer (loaded once)."""
@@ -816,6 +817,7 @@ class KVCompressScheduler(Scheduler):
 
 
 _UNPLANNED = RequestSchedule.create(None)  # a request not planned yet: uncompressed
+_UNSENT = object()  # no next_due sent to the workers yet
 REPEAT_SUFFIX = "::kvzip-repeat-"  # a repeat pass's request id: its request's, this, the pass's number
 
 
@@ -825,7 +827,6 @@ def _drop_outputs(outputs: dict, request_ids: set[str]) -> None:
         out.outputs = [o for o in out.outputs if o.request_id not in request_ids]
         if out.finished_requests:
             out.finished_requests = out.finished_requests - request_ids
-_UNSENT = object()  # no next_due sent to the workers yet
 
 
 def _kind(spec) -> str:
