@@ -46,9 +46,11 @@ SCORER_PARAMS = {
     "rkv": {"window": 4, "kernel_size": 3, "mix_lambda": 0.5, "threshold": 0.3},
     "knorm": {},
     "expected_attention": {"sink_tokens": 4, "future_positions": 24},
+    "kvzip": {"sink_tokens": 4},
 }
 ATTENTION_SCORERS = {"snapkv", "h2o", "tova", "keyformer", "rkv"}
 QUERY_SCORERS = {"expected_attention"}  # it observes the queries themselves
+REPEAT_SCORERS = {"kvzip"}  # scored by passes that repeat the prompt (synthetic scores here: `repeat_scores`)
 KEY_DIM = 4  # synthetic cached keys (R-KV's redundancy), values and queries (expected attention)
 ROPE_BASE = 100.0  # the synthetic model's RoPE over all KEY_DIM dimensions (NeoX layout)
 SPAN, CHUNK_LENGTH = 5, 6
@@ -74,6 +76,8 @@ def config_for(scorer: str, allocation: str, trigger: str, selection: str) -> di
 
 def refusal(scorer: str, allocation: str, trigger: str, selection: str) -> str | None:
     """The field a combination that cannot be served is refused on (None: served)."""
+    if scorer in REPEAT_SCORERS and trigger != "once":
+        return "trigger"  # it repeats the prompt once, after its prefill (its own check, first)
     if allocation == "per_head" and scorer in QUERY_SCORERS:
         return "allocation"  # head budgets are derived before the keys are read (the scorer's check, first)
     if trigger == "streamed" and scorer in QUERY_SCORERS:
@@ -218,6 +222,12 @@ def group_mean(values: list[list[float]]) -> list[float]:
     return [sum(v[i] for v in values) / len(values) for i in range(len(values[0]))]
 
 
+def repeat_scores(layer: int) -> torch.Tensor:
+    """Synthetic scores of the prompt's repeat passes (KVzip), [HKV, PROMPT]
+    by logical position: the input, not the math under test."""
+    return attention_rows(5000 + layer, PROMPT)[:HKV].float()
+
+
 def naive_scores(scorer: str, kv_head: int, layer: int, positions: list[int], attention: dict,
                  num_compressions: int, protected_len: int = 0, queries: list | None = None,
                  logical_len: int = 0) -> list[float]:
@@ -228,6 +238,9 @@ def naive_scores(scorer: str, kv_head: int, layer: int, positions: list[int], at
         return naive_expected_attention(layer, kv_head, positions, queries, logical_len)
     if scorer == "streamingllm":
         return [float(p) for p in positions]
+    if scorer == "kvzip":  # the passes' score; a token after the repeated prompt: kept first, the newest first
+        scored = repeat_scores(layer)[kv_head].tolist()
+        return [scored[p] if p < PROMPT else 2.0 + p for p in positions]
     if scorer == "random":  # the hash itself is the definition (tested in test_core)
         return hash_uniform(params["seed"], torch.tensor(layer), torch.tensor(num_compressions),
                             torch.tensor(kv_head), torch.tensor(positions)).tolist()
@@ -259,7 +272,7 @@ def naive_protected(scorer: str, budget: int) -> tuple[int, int]:
         return params["sink_tokens"], budget - params["sink_tokens"]
     if scorer == "h2o":
         return 0, int(budget * params["recent_ratio"])
-    if scorer == "expected_attention":
+    if scorer in ("expected_attention", "kvzip"):
         return params["sink_tokens"], 0
     return 0, params.get("window", 0)
 
@@ -304,7 +317,7 @@ def min_budget(scorer: str) -> int:
     params = SCORER_PARAMS[scorer]
     if scorer == "snapkv":
         return params["window"]
-    if scorer in ("streamingllm", "expected_attention"):
+    if scorer in ("streamingllm", "expected_attention", "kvzip"):
         return params["sink_tokens"] + 1
     if scorer == "h2o":
         return 1
@@ -501,6 +514,8 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
                                   None if trigger == "decode" else PROMPT - protected_len)
         assert list(state.budgets) == [protected_len + k for k in keeps]
     budgets = list(state.budgets)
+    if scorer in REPEAT_SCORERS:  # what the worker takes from the passes at the compaction
+        rc.take_repeat_scores([repeat_scores(layer) for layer in range(NUM_LAYERS)])
     while logical < PROMPT + DECODE:
         compress_if_due()
         rc.next_due = state.next_due(logical)

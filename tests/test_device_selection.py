@@ -63,6 +63,8 @@ def test_selection_runs_on_the_device_without_host_reads(scorer, allocation, sel
             state.accumulate(layer, torch.rand(HQ, PROMPT, device="meta"))
         elif state.scorer.observe.attends():  # expected attention: the queries themselves
             state.observe_queries(layer, torch.rand(PROMPT, HQ, DIM, device="meta"))
+    if state.scorer.reconstructs_context:  # KVzip: its repeat passes' scores, by logical position
+        state.take_repeat_scores([torch.rand(HKV, PROMPT, device="meta") for _ in range(LAYERS)])
     slots = list(state.plan.layer_budgets)
     if state.plan.budgets_after_prompt:
         layer_slots = state.layer_slots()

@@ -199,3 +199,28 @@ def test_kvzip_keeps_a_continuing_requests_new_tokens(reference, repeat_tokens):
             kept, document_kept = set(head_after.tolist()), {p for p in head_before.tolist() if p < len(document)}
             assert new <= kept
             assert {p for p in kept if p < len(document)} < document_kept  # a subset: some gave way
+
+
+@pytest.mark.extended  # ~40 s: 300 tokens each under preemption
+@pytest.mark.mrv2
+def test_kvzip_preempted_after_its_compression_replays_it(start_engine, tiny_model, reference, repeat_tokens):
+    """Uncompressed neighbours grow until the pool runs out and vLLM preempts
+    the newest requests, the KVzip ones, after their compression: their
+    workers kept no scores, so their replay runs the passes again, compresses
+    the same, and each answer still equals the reference."""
+    # Growth-aware admission off: vLLM admits all and preempts as the cache fills.
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", kv_compress_reserve_growth=0,
+                                          num_gpu_blocks_override=24, enable_prefix_caching=True,
+                                          max_model_len=512))
+    fillers = random_prompts([120, 120], seed=88)
+    prompts = random_prompts([110, 100], seed=89)
+    configs = [{"policy": "kvzip", "budget": 40}] * 2
+    before = engine.stats()["preemptions"]
+    got = engine.generate(fillers + prompts, 300, [None, None] + configs)[2:]
+    stats = engine.stats()
+    assert stats["preemptions"] > before, "the cache was meant to be too small"
+    assert stats["free_blocks"] == stats["total_blocks"]
+    for prompt, config, tokens in zip(prompts, configs, got):
+        want = reference.generate(prompt, 300, KVCompressConfig.from_dict(config), block_size=32,
+                                  repeat_tokens=repeat_tokens, max_model_len=512)["tokens"]
+        assert tokens == want

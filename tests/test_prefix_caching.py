@@ -48,6 +48,8 @@ SETTINGS = {
     "minicache": {"policy": "minicache"},
     "streamed": {"policy": "streamingllm", "budget": 48, "prompt_chunk": 64},
     "h2o-protected": {"policy": "h2o", "budget": 48, "protect_prefix": 96},
+    # Its repeat passes hit the prompt's blocks (each prompt in two passes).
+    "kvzip": {"policy": "kvzip", "budget": 48, "chunk_size": 160},
 }
 
 

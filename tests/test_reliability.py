@@ -58,6 +58,8 @@ SIZE_FIELDS = {
     "prompt_chunk": {"kv_compress": "streamingllm", "kv_compress_budget": 64},
     "seed": {"kv_compress": "random", "kv_compress_budget": 64},
     "future_positions": {"kv_compress": "expected_attention", "kv_compress_budget": 64},
+    "chunk_size": {"kv_compress": "kvzip", "kv_compress_budget": 64},
+    "overlap": {"kv_compress": "kvzip", "kv_compress_budget": 64},
     "beta": {"kv_compress": "pyramidkv", "kv_compress_budget": 64},
     "floor": {"kv_compress": "adaptive", "kv_compress_budget": 64},
     "start_layer": {"kv_compress": "minicache"},

@@ -163,7 +163,7 @@ class KVCompressScheduler(Scheduler):
         # requests that ended, to abort.
         self._kvc_to_repeat: set[str] = set()
         self._kvc_repeating: dict[str, set[str]] = {}
-        self._kvc_repeated: set[str] = set()  # all passes ended (a preempted one resumes without new ones)
+        self._kvc_repeated: set[str] = set()  # all passes ended, not preempted since
         self._kvc_repeat_of: dict[str, tuple[str, RepeatPass]] = {}
         self._kvc_repeats_ended: set[str] = set()
         self._kvc_orphans: list[str] = []
@@ -787,6 +787,10 @@ class KVCompressScheduler(Scheduler):
             self._end_reuse(request)
             if self._kvc_repeat_of or self._kvc_repeating or self._kvc_to_repeat or self._kvc_repeated:
                 self._end_repeats(request)
+        elif self._kvc_repeated:
+            # Preempted after its passes: its compaction took their scores (the
+            # workers keep none), so its replay runs them again (same scores).
+            self._kvc_repeated.discard(request.request_id)
         self._kvc_forecast.retire(request.request_id)
         self._kvc_forecast_follows, self._kvc_forecast_last = -1, None
         self.kvc_states.pop(request.request_id, None)

@@ -175,8 +175,8 @@ class WorkerCompression:
         self.evicted: dict[str, tuple[int, ...]] = {}  # per KV cache group, of the requests that evicted
         # KVzip: the running repeat passes (request -> the request whose
         # prompt it repeats, and the pass), and per request the scores its
-        # passes gave its prompt so far, per layer [Hkv, prompt tokens]: kept
-        # until it ends (a preempted one compresses on them again).
+        # passes gave its prompt so far, per layer [Hkv, prompt tokens], until
+        # its compaction takes them (or it ends).
         self.repeats: dict[str, tuple[str, RepeatPass]] = {}
         self.repeat_scores: dict[str, list[torch.Tensor | None]] = {}
         self._evicted_rows: tuple[list[str], np.ndarray] | None = None  # `evicted_rows`, kept
@@ -287,7 +287,8 @@ class WorkerCompression:
         if plan.compactions:
             if self.repeat_scores:
                 for op in plan.compactions:
-                    scores, state = self.repeat_scores.get(op.request_id), self.states.get(op.request_id)
+                    # Taken once: a request preempted after it runs its passes again (scheduler).
+                    scores, state = self.repeat_scores.pop(op.request_id, None), self.states.get(op.request_id)
                     if scores is not None and state is not None:
                         with self.isolated(op.request_id, "taking repeat scores"):
                             state.take_repeat_scores(scores)
