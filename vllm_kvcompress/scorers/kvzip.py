@@ -15,10 +15,13 @@ are kept. A repeat pass's keys, values and sampled token are thrown away.
 
 In the engine a repeat pass is a request of its own that the scheduler starts
 once the prompt is prefilled (its prompt: the prompt and the repeat, so the
-prompt's blocks come from vLLM's prefix cache); the request waits for its
-passes before it decodes, and compresses on their scores
-(vllm_seam/scheduler.py, worker/attention_passes.py `RepeatScores`). The
-reference decoder runs the same passes over a copy of its dense cache.
+prompt's blocks come from vLLM's prefix cache); the request takes its first
+token from the prefill, waits for its passes, and compresses on their scores
+before its second (vllm_seam/scheduler.py, worker/attention_passes.py
+`RepeatScores`). The reference decoder runs the same passes over a copy of
+its dense cache. The scores stay with the kept tokens: a request continuing a
+saved state (`reuse`) runs no pass, keeps its own new tokens first and
+evicts the state's by their scores (`KVzip.score`).
 """
 
 from __future__ import annotations
