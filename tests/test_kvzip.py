@@ -224,3 +224,15 @@ def test_kvzip_preempted_after_its_compression_replays_it(start_engine, tiny_mod
         want = reference.generate(prompt, 300, KVCompressConfig.from_dict(config), block_size=32,
                                   repeat_tokens=repeat_tokens, max_model_len=512)["tokens"]
         assert tokens == want
+
+
+def test_a_prompt_without_room_for_its_pass_fails_alone(engine):
+    """A prompt so close to max_model_len that no repeat pass fits beside it
+    fails alone (finish reason error, no token), and its neighbour goes on."""
+    from vllm import SamplingParams
+
+    long, short = random_prompts((MAX_MODEL_LEN - 20, 150), seed=90)
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                             extra_args={"kv_compress": {"policy": "kvzip", "budget": 64}}) for _ in range(2)]
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in (long, short)], params, use_tqdm=False)
+    assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outs] == [("error", 0), ("length", 8)]
