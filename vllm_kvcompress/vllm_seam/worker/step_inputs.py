@@ -241,12 +241,11 @@ def _add_repeat(worker: WorkerCompression, step: StepPasses, rid: str, start: in
     begin = max(first, rp.context_len)
     if begin >= first + n:
         return  # still the prompt (no prefix-cache hit of it)
-    ids = worker.runner.block_ids(rid)
     step.repeats.append(StepRepeat(
         request_id=rid, target=target, repeat=rp,
         token_idx=upload(torch.arange(start + begin - first, start + n), worker.device),
         q_slots=upload(torch.arange(begin, first + n), worker.device), last=first + n - 1,
-        block_ids=[upload(torch.tensor(ids[vg], dtype=torch.int64), worker.device) for vg in worker.vllm_groups]))
+        block_ids=_block_ids(worker, rid)))
 
 def _add_request(worker: WorkerCompression, step: StepPasses, i: int, rid: str, state: RequestTokens,
                  sl: slice,
@@ -281,13 +280,18 @@ def _step_request(worker: WorkerCompression, rid: str, state: RequestTokens, sl:
                   physical) -> StepRequest:
     """A request's selected queries in this step, its index tensors
     uploaded to the cache's device once (`physical`: host positions)."""
-    ids = worker.runner.block_ids(rid)
     return StepRequest(
         request_id=rid, state=state, token_idx=upload(torch.arange(sl.start, sl.stop)[mask], worker.device),
         q_logical=q_log[mask],
         q_physical=[upload(p[sl][mask], worker.device) for p in physical],
         seq_lens=[int(p[sl.stop - 1]) + 1 for p in physical],
-        block_ids=[upload(torch.tensor(ids[vg], dtype=torch.int64), worker.device) for vg in worker.vllm_groups],
+        block_ids=_block_ids(worker, rid),
     )
+
+
+def _block_ids(worker: WorkerCompression, rid: str) -> list[torch.Tensor]:
+    """A request's block ids per compressed KV cache group, on the cache's device."""
+    ids = worker.runner.block_ids(rid)
+    return [upload(torch.tensor(ids[vg], dtype=torch.int64), worker.device) for vg in worker.vllm_groups]
 
 
