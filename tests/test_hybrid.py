@@ -146,7 +146,15 @@ def test_per_layer_groups_match_reference(per_layer, reference):
     assert len(pyramid) == FULL_LAYERS and pyramid[0] != pyramid[1], "pyramid keeps layers apart"
 
 
-def test_prefix_caching_on_a_hybrid_model(start_engine, gemma_model, reference):
+@pytest.fixture(scope="module")
+def cached(start_engine, gemma_model):
+    """Prefix caching on, as Gemma deployments run; chunks of 64 tokens (a
+    streamed prompt compresses between them)."""
+    return start_engine(**engine_kwargs(gemma_model, kv_compress="none", enable_prefix_caching=True,
+                                        max_num_batched_tokens=64))
+
+
+def test_prefix_caching_on_a_hybrid_model(cached, reference):
     """Gemma-style deployments keep prefix caching on: requests sharing a system
     prompt hit it in every group, the full-attention group compresses only
     what follows the hit, and each equals the reference that protects it.
@@ -155,7 +163,7 @@ def test_prefix_caching_on_a_hybrid_model(start_engine, gemma_model, reference):
     second request that shares a prefix finds it only in the full-attention
     group, misses, and pins the junction; from the third on, all hit (as
     without the plugin)."""
-    engine = start_engine(**engine_kwargs(gemma_model, kv_compress="none", enable_prefix_caching=True))
+    engine = cached
     system = random_prompts((256,), seed=61)[0]
     prompts = [system + p for p in random_prompts((120, 150, 90, 170, 130), seed=62)]
     configs = [{"policy": "snapkv", "budget": 48, "window": 8}, {"policy": "h2o", "budget": 48},
@@ -168,3 +176,23 @@ def test_prefix_caching_on_a_hybrid_model(start_engine, gemma_model, reference):
         want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=BLOCK_SIZE)
         assert tokens == want["tokens"], f"{config} hit {cached}"
         assert want["compressed_at"]
+
+
+@pytest.mark.mrv2
+def test_blocks_computed_after_a_compaction_are_never_cached(cached, reference):
+    """A sliding-window block holds keys computed from the full-attention
+    layers before it: from a request's first compaction on, from a compressed
+    cache. vLLM's own cache names blocks by their tokens alone, so such a
+    block must never be found by them: here a streamed prompt compresses
+    between its chunks, an uncompressed request with the same prompt computes
+    it whole (its full-attention blocks cached), and a third with that prompt
+    and more hits them; it must answer as the reference without compression.
+    (Without the limit, the third found the streamed request's sliding-window
+    blocks first and answered otherwise.)"""
+    prompt, extra = random_prompts((330, 40), seed=65)
+    streamed = {"policy": "streamingllm", "budget": 64, "trigger": "streamed"}
+    cached.generate([prompt], 4, [streamed])
+    cached.generate([prompt], 4)
+    (tokens, hit), = cached.generate_with_hits([prompt + extra], NEW_TOKENS)
+    assert hit >= 256, hit  # the uncompressed request's blocks
+    assert tokens == reference.generate(prompt + extra, NEW_TOKENS, None, block_size=BLOCK_SIZE)["tokens"]

@@ -222,6 +222,27 @@ class CompressedAttentionManager(FullAttentionManager):
         return super().pop_blocks_for_free(request_id)
 
 
+def cache_exact_tokens_only(manager, exact_until: dict[str, int]) -> None:
+    """A KV cache group that does not compress (a hybrid's sliding-window
+    layers, a Gated DeltaNet state) caches a request's blocks under vLLM's
+    own hashes, which name tokens alone. Its tokens computed from the
+    request's first compaction on (or from a saved state, `reuse`) read a
+    compressed cache in the layers before them: their KV differs from what
+    an uncompressed request computes for the same tokens, and a later request
+    (compressed or not) must never hit it. `exact_until[request_id]`: the
+    tokens the group may cache for that request (absent: all).
+
+    Wraps the manager instance's `cache_blocks` (vLLM's coordinator calls it
+    per group), whichever manager class vLLM picked for the group."""
+    cache_blocks = manager.cache_blocks
+
+    def cache_exact_blocks(request, num_tokens: int, *args, **kwargs) -> None:
+        limit = exact_until.get(request.request_id)
+        cache_blocks(request, num_tokens if limit is None else min(num_tokens, limit), *args, **kwargs)
+
+    manager.cache_blocks = cache_exact_blocks
+
+
 def drop_cached_hash(pool: BlockPool, block: KVCacheBlock) -> None:
     """Take a block out of the prefix cache (vLLM does this when it reuses a
     free block: `BlockPool._maybe_evict_cached_block`, 0.32)."""

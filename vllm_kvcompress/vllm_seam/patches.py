@@ -34,6 +34,11 @@ Subclasses that vLLM instantiates for us (not patches):
     KV cache specs) and swapped into the KV cache groups by the
     `get_kv_cache_groups` wrapper below; the manager allocates by a request's
     physical, not logical, length and frees its evicted tail blocks.
+  - The managers vLLM builds for groups that do not compress (a hybrid's
+    sliding-window and Gated DeltaNet groups): the scheduler wraps each
+    instance's `cache_blocks` (block_manager.cache_exact_tokens_only), which
+    caches a request's blocks only up to its first compaction; the class is
+    not patched.
   - vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend/Impl ->
     attention.KVCompressCPUBackend/Impl, registered for CPU_ATTN on CPU;
     vllm.v1.attention.backends.flash_attn.FlashAttentionBackend/Impl ->

@@ -189,6 +189,8 @@ class | {_MGR} | 0.32-0.34 | block_manager.CompressedAttentionManager subclasses
 method | {_MGR}.get_num_blocks_to_allocate | 0.32-0.34 | overridden with explicit parameters
 method | {_MGR}.allocate_new_blocks | 0.32-0.34 | overridden with explicit parameters
 method | {_MGR}.cache_blocks | 0.32-0.34 | overridden: (request, num_tokens, *args)
+method | vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.cache_blocks | 0.32-0.34
+    | wrapped per instance on groups that do not compress: (request, num_tokens, *args)
 method | {_MGR}.pop_blocks_for_free | 0.32-0.34 | overridden
 method | {_MGR}.add_local_computed_blocks | 0.32-0.34 | overridden: a hit on a saved state counts physical tokens
 attribute | {_MGR}.req_to_blocks | 0.32-0.34 | a request's blocks, cut in place

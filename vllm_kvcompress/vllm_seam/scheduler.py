@@ -35,7 +35,7 @@ from ..plan import resolve_plan
 from ..schedule import RequestSchedule, cdiv
 from ..scorers.kvzip import KVzip, RepeatPass, RepeatTokens, repeat_passes
 from ..step_records import Compaction, StartedRequest, StepPlan, attach_step_plan, log_failure, report_of
-from .block_manager import CompressedAttentionManager
+from .block_manager import CompressedAttentionManager, cache_exact_tokens_only
 from .groups import CompressedLayers
 from .metrics import RatioHistogram, SnapshotWriter
 from .saved_states import SavedState, SavedStates
@@ -138,6 +138,14 @@ class KVCompressScheduler(Scheduler):
                     f"kv_compress: KV cache group {group} is managed by {type(manager).__name__} "
                     f"(spec {type(groups[group].kv_cache_spec).__name__}), not CompressedAttentionManager"
                 )
+        # A hybrid's groups that do not compress cache a request's blocks
+        # only up to its first compaction (block_manager.cache_exact_tokens_only):
+        # the tokens it computes after it read a compressed cache.
+        self._kvc_exact_until: dict[str, int] = {}
+        if self.cache_config.enable_prefix_caching:
+            for g, manager in enumerate(managers):
+                if g not in self.kvc_layers.vllm_groups:
+                    cache_exact_tokens_only(manager, self._kvc_exact_until)
         # `reuse`: finished requests' compressed states kept in the prefix
         # cache for later requests (saved_states.py), where vLLM caches
         # prefixes and every KV cache group compresses.
@@ -302,6 +310,7 @@ class KVCompressScheduler(Scheduler):
         done = [manager.release_evicted(rid, logical, target, protected, bool(copy), released)
                 for manager, target, copy in zip(self._kvc_managers, targets, copies)]
         state.commit(logical, targets)
+        self._kvc_exact_until.setdefault(rid, logical)
         # Where it next compresses, found now (sets its `quiet_below`): a
         # rolling policy's request is then not looked at again in the next
         # step (at 1,024 running, tens of compactions a step). Nothing is due
@@ -794,6 +803,7 @@ class KVCompressScheduler(Scheduler):
         self._kvc_forecast.retire(request.request_id)
         self._kvc_forecast_follows, self._kvc_forecast_last = -1, None
         self.kvc_states.pop(request.request_id, None)
+        self._kvc_exact_until.pop(request.request_id, None)  # a replay computes its tokens again
         self._kvc_most_total -= self._kvc_most.pop(request.request_id, 0)
         self._kvc_started.pop(request.request_id, None)
         self._kvc_planned.discard(request.request_id)
