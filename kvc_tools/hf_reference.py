@@ -19,6 +19,7 @@ scorers, selection); model code is transformers', attention here.
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -80,6 +81,10 @@ class HFAttentionReference(ReferenceDecoder):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+    def _copy_cache(self, cache):
+        # transformers' cache layers grow in place.
+        return copy.deepcopy(cache)
 
     def _physical_kv(self, cache, layer: int, c: int, state: RequestTokens) -> tuple[torch.Tensor, torch.Tensor]:
         positions = state.positions(c)

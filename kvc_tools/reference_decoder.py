@@ -237,6 +237,11 @@ class ReferenceDecoder:
         """Keep slots `keep` [Hkv, K] of the layer's dense cache, in order."""
         cache[layer] = tuple(gather_slots(x, keep) for x in cache[layer])
 
+    def _copy_cache(self, cache):
+        """A cache a later `generate` continues from (`resume`): each step
+        replaces a layer's tensors, so the list is copied, not the tensors."""
+        return list(cache)
+
     def _empty_cache(self):
         empty = torch.empty(self.num_kv_heads, 0, self.head_dim, dtype=self.model.dtype)
         if "linear_attention" not in self.layer_types:
@@ -335,7 +340,7 @@ class ReferenceDecoder:
                 raise ValueError("reference decoder: the prompt does not continue the resumed request")
             if state is None or saved["state"] is None:
                 raise ValueError("reference decoder: resuming needs compression on both requests")
-            cache = list(saved["cache"])
+            cache = self._copy_cache(saved["cache"])
             plan.start_from(saved["num_evicted"])
             state.continue_from(saved["state"])
             logical = len(history)
@@ -379,7 +384,7 @@ class ReferenceDecoder:
         history = prompt + tokens[:-1]  # the tokens whose KV is cached
         return {"tokens": tokens, "kept_positions": kept, "compressed_lengths": lengths,
                 "compressed_at": compressed_at, "dead_slots": dead, "margins": margins, "deficits": deficits,
-                "resume": {"history": history, "cache": list(cache), "state": state,
+                "resume": {"history": history, "cache": self._copy_cache(cache), "state": state,
                            "num_evicted": tuple(plan.num_evicted)}}
 
 

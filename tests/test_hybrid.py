@@ -196,3 +196,55 @@ def test_blocks_computed_after_a_compaction_are_never_cached(cached, reference):
     (tokens, hit), = cached.generate_with_hits([prompt + extra], NEW_TOKENS)
     assert hit >= 256, hit  # the uncompressed request's blocks
     assert tokens == reference.generate(prompt + extra, NEW_TOKENS, None, block_size=BLOCK_SIZE)["tokens"]
+
+
+@pytest.mark.mrv2
+def test_next_turns_continue_the_compressed_state(cached, reference):
+    """`reuse` on a hybrid: a finished turn's state is its compressed
+    full-attention blocks and its sliding-window groups' last window (their
+    keys computed from the compressed layers). The next turn of each
+    conversation (batched, other policies beside) hits its whole history in
+    every group, computes only its new message, and answers as the
+    reference continuing its own state; a turn whose history differs by one
+    token starts from nothing and answers as a fresh request."""
+    firsts = random_prompts((200, 230, 170), seed=67)
+    configs = [{"policy": "snapkv", "budget": 64, "window": 8, "reuse": True},
+               {"policy": "h2o", "budget": 48, "selection": "span", "span": 8, "reuse": True},
+               {"policy": "kvzip", "budget": 96, "chunk_size": 80, "reuse": True}]
+    extra = random_prompts((40, 35, 50, 30, 45, 38), seed=68)
+    prompts, wants = firsts, [None] * len(firsts)
+    for turn in range(3):
+        got = cached.generate_with_hits(prompts, NEW_TOKENS, configs)
+        for i, (prompt, config, (tokens, hit)) in enumerate(zip(prompts, configs, got)):
+            want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=BLOCK_SIZE,
+                                      resume=wants[i])
+            assert tokens == want["tokens"], (turn, config)
+            if turn:
+                assert hit == len(wants[i]["resume"]["history"]), (turn, config, hit)
+            wants[i] = want
+        prompts = [p + tokens + extra[2 * i + turn % 2] for i, (p, (tokens, _)) in enumerate(zip(prompts, got))]
+    # One token of the last history changed: no state, as a fresh request.
+    prompt = list(prompts[0])
+    prompt[len(firsts[0]) + 3] = (prompt[len(firsts[0]) + 3] + 1) % 1000
+    (tokens, hit), = cached.generate_with_hits([prompt], NEW_TOKENS, configs[:1])
+    assert hit <= len(firsts[0]) + 3, hit
+    assert tokens == reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(configs[0]),
+                                        block_size=BLOCK_SIZE)["tokens"]
+
+
+def test_a_document_compressed_once_serves_many_questions(cached, reference):
+    """A document's compressed prompt (its answer shorter than the window,
+    whose blocks of the prompt's end it still holds) serves questions on it."""
+    from kvc_tools.reference_decoder import at_length
+
+    document = random_prompts((300,), seed=69)[0]
+    config = {"policy": "snapkv", "budget": 64, "window": 8, "reuse": True}
+    cfg = KVCompressConfig.from_dict(config)
+    cached.generate([document], 8, [config])
+    questions = random_prompts((20, 33, 41), seed=70)
+    got = cached.generate_with_hits([document + q for q in questions], NEW_TOKENS, [config] * len(questions))
+    base = at_length(reference.generate(document, 8, cfg, block_size=BLOCK_SIZE), len(document))
+    for question, (tokens, hit) in zip(questions, got):
+        assert hit == len(document)
+        assert tokens == reference.generate(document + question, NEW_TOKENS, cfg, block_size=BLOCK_SIZE,
+                                            resume=base)["tokens"]

@@ -302,6 +302,15 @@ def test_qwen3_next_compaction_zeroes_its_fresh_blocks(qwen3_next):
                 layer.kv_cache[stale] = float("nan")
         poisoned = [engine.generate_with_hits([prompt], NEW_TOKENS, [c])[0] for c in settings]
         stats = engine.stats()
+        # `reuse` keeps sliding-window hybrids' states, not a DeltaNet state:
+        # the request is refused alone, with the field named.
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+
+        params = SamplingParams(max_tokens=4, extra_args={"kv_compress": {"policy": "snapkv", "budget": 64,
+                                                                           "reuse": True}})
+        with pytest.raises(VLLMValidationError, match=r"kv_compress.reuse: a Gated DeltaNet hybrid \(qwen3_next\)"):
+            engine.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert stale and all(hit for _, hit in poisoned), "the prompt was meant to hit its cached blocks"
     assert sum(r["tokens_evicted"] > 0 for r in stats["requests"].values()) == 4
     for config, (want, _), (tokens, hit) in zip(settings, clean, poisoned):
@@ -453,3 +462,35 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "gemma4"])
+def test_reuse_on_sliding_window_hybrids(start_engine, name):
+    """`reuse` beside sliding-window layers with sinks (gpt-oss) and with a
+    sliding-window block eight times the compressed group's (the tiny Gemma 4:
+    256 and 32 tokens): each conversation's next two turns hit their whole
+    history and answer as the reference continuing its own state."""
+    from kvc_tools.hf_reference import HFAttentionReference
+    from kvc_tools.models import build_tiny_gemma4, build_tiny_gpt_oss, default_cache_root
+    from kvc_tools.reference_decoder import ReferenceDecoder
+
+    build, decoder = (build_tiny_gpt_oss, ReferenceDecoder) if name == "gpt-oss" else \
+        (build_tiny_gemma4, HFAttentionReference)
+    model = str(build(default_cache_root() / "models" / f"tiny-{name}-seed0"))
+    engine = start_engine(**engine_kwargs(model, kv_compress="none", enable_prefix_caching=True))
+    reference = decoder(model)
+    configs = [{"policy": "snapkv", "budget": 48, "window": 8, "reuse": True},
+               {"policy": "tova", "budget": 40, "reuse": True}]
+    prompts = random_prompts((150, 190), seed=74)
+    extra = random_prompts((30, 41, 27, 36), seed=75)
+    wants: list = [None, None]
+    for turn in range(3):
+        got = engine.generate_with_hits(prompts, NEW_TOKENS, configs)
+        for i, (prompt, config, (tokens, hit)) in enumerate(zip(prompts, configs, got)):
+            want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=32,
+                                      resume=wants[i])
+            assert tokens == want["tokens"], (turn, config)
+            if turn:
+                assert hit == len(wants[i]["resume"]["history"]), (turn, config, hit)
+            wants[i] = want
+        prompts = [p + t + extra[2 * turn % 4 + i] for i, (p, (t, _)) in enumerate(zip(prompts, got))]

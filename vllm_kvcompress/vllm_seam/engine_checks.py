@@ -314,9 +314,14 @@ def reuse_problem(vllm_config) -> str | None:
     """Why this engine cannot keep compressed states for later requests (None: it can)."""
     if not vllm_config.cache_config.enable_prefix_caching:
         return "needs prefix caching (the engine runs with it off: drop --no-enable-prefix-caching)"
-    if has_uncompressed_layers(vllm_config):
-        return ("a model with layers that do not compress (sliding-window or linear attention: "
-                f"{vllm_config.model_config.hf_text_config.model_type}) is not served")
+    hf = vllm_config.model_config.hf_text_config
+    if gated_deltanet_hybrid(hf):
+        # A sliding-window group's state is its last window's blocks, saved
+        # beside the compressed ones; a DeltaNet layer's is one recurrent
+        # state, which vLLM's Mamba cache keeps (and hits) at block
+        # boundaries only, never at a compressed state's own length.
+        return (f"a Gated DeltaNet hybrid ({hf.model_type}) is not served: its recurrent state is cached "
+                f"at block boundaries only (sliding-window hybrids are)")
     return None
 
 

@@ -189,6 +189,12 @@ class | {_MGR} | 0.32-0.34 | block_manager.CompressedAttentionManager subclasses
 method | {_MGR}.get_num_blocks_to_allocate | 0.32-0.34 | overridden with explicit parameters
 method | {_MGR}.allocate_new_blocks | 0.32-0.34 | overridden with explicit parameters
 method | {_MGR}.cache_blocks | 0.32-0.34 | overridden: (request, num_tokens, *args)
+method | vllm.v1.core.single_type_kv_cache_manager:SlidingWindowManager.get_num_skipped_tokens | 0.32-0.34
+    | reuse: the window of a sliding-window group a saved state keeps
+attribute | vllm.v1.core.single_type_kv_cache_manager:SlidingWindowManager.req_to_blocks | 0.32-0.34
+    | reuse: a sliding-window group's blocks of a finishing request
+attribute | vllm.v1.core.block_pool:BlockPool.null_block | 0.32-0.34
+    | reuse: a sliding-window state's blocks before its window
 method | vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.cache_blocks | 0.32-0.34
     | wrapped per instance on groups that do not compress: (request, num_tokens, *args)
 method | {_MGR}.pop_blocks_for_free | 0.32-0.34 | overridden

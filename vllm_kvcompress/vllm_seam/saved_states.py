@@ -15,6 +15,13 @@ compaction copies whatever it would rewrite), its computed tokens are the
 history's, and the workers continue the saved token state (positions, scores)
 instead of computing the history again.
 
+On a hybrid model the groups that do not compress (sliding-window layers)
+are saved beside the compressed ones: a sliding-window group's blocks of the
+state's last window, named the same way (the blocks before it are vLLM's
+null block, as in any sliding-window hit). They hold keys computed from the
+compressed layers before them, as the state's next token reads them, so
+vLLM's own hashes never name them (block_manager.cache_exact_tokens_only).
+
 A state is found only by an exact match: the settings' fingerprint, vLLM's
 hash of the history's last full block (a chain over every earlier block that
 folds in `cache_salt`, LoRA and multimodal inputs), and the history's tokens
@@ -45,8 +52,10 @@ class SavedState:
     anchor: bytes  # vLLM's hash of the history's last full block
     physical: tuple[int, ...]  # slots it holds per compressed KV cache group
     in_place: int  # its first tokens that sit at their own slots (the protected start)
-    blocks: tuple[tuple[KVCacheBlock, ...], ...]  # per KV cache group (vLLM's group order)
-    keys: tuple[tuple[bytes, ...], ...]  # each block's key in the pool
+    # Per KV cache group, every group in vLLM's order (a sliding-window
+    # group's blocks before its window: the null block).
+    blocks: tuple[tuple[KVCacheBlock, ...], ...]
+    keys: tuple[tuple[bytes | None, ...], ...]  # each block's key in the pool (None: the null block)
 
     @property
     def length(self) -> int:
@@ -56,16 +65,17 @@ class SavedState:
         return tuple(self.length - p for p in self.physical)
 
     def all_blocks(self) -> list[KVCacheBlock]:
-        return [b for group in self.blocks for b in group]
+        """The blocks it holds (not the null block)."""
+        return [b for group in self.blocks for b in group if not b.is_null]
 
 
 class SavedStates:
     """The scheduler's saved states, found by their history's last full block."""
 
-    def __init__(self, pool: BlockPool, block_size: int, group_ids: Sequence[int]) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, num_groups: int) -> None:
         self.pool = pool
         self.block_size = block_size
-        self.group_ids = tuple(group_ids)  # vLLM's KV cache group ids, all compressed
+        self.num_groups = num_groups  # vLLM's KV cache groups, compressed or not
         self.states: dict[str, SavedState] = {}
         self._by_anchor: dict[tuple[str, bytes], list[str]] = {}
         self._sweep: list[str] = []  # keys still to check in the current round
@@ -77,10 +87,14 @@ class SavedStates:
         key = hashlib.sha256(repr((fingerprint, anchor, tuple(history), physical)).encode()).hexdigest()
         if key in self.states and self.valid(self.states[key]):
             return None
+        assert len(blocks) == self.num_groups
         block_keys = []
-        for g, group_blocks in zip(self.group_ids, blocks):
-            names = []
+        for g, group_blocks in enumerate(blocks):
+            names: list[bytes | None] = []
             for i, block in enumerate(group_blocks):
+                if block.is_null:
+                    names.append(None)
+                    continue
                 name = make_block_hash_with_group_id(_MARKER + hashlib.sha256(f"{key}:{g}:{i}".encode()).digest(), g)
                 self.pool._insert_block_hash(name, block, None)
                 names.append(name)
@@ -94,7 +108,7 @@ class SavedStates:
     def valid(self, state: SavedState) -> bool:
         """Whether every block still carries its key (none was reused since)."""
         cached = self.pool.cached_block_hash_to_block
-        return all(cached.contain(name, block.block_id)
+        return all(name is None or cached.contain(name, block.block_id)
                    for names, blocks in zip(state.keys, state.blocks) for name, block in zip(names, blocks))
 
     def find(self, fingerprint: str, tokens: Sequence[int], block_hashes: Sequence[bytes], in_place: int,

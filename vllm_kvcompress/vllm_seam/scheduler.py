@@ -26,6 +26,7 @@ import time
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
 from vllm.v1.request import Request, RequestStatus
 
 from ..accounting import CompressionStats
@@ -148,10 +149,13 @@ class KVCompressScheduler(Scheduler):
                     cache_exact_tokens_only(manager, self._kvc_exact_until)
         # `reuse`: finished requests' compressed states kept in the prefix
         # cache for later requests (saved_states.py), where vLLM caches
-        # prefixes and every KV cache group compresses.
-        self._kvc_saved = SavedStates(self.kv_cache_manager.block_pool, self.kvc_block_size,
-                                      self.kvc_layers.vllm_groups) \
-            if self.cache_config.enable_prefix_caching and not self._kvc_hybrid else None
+        # prefixes and the groups that do not compress are sliding windows
+        # (engine_checks.reuse_problem refuses DeltaNet hybrids).
+        self._kvc_windows = tuple(m for g, m in enumerate(managers) if g not in self.kvc_layers.vllm_groups)
+        self._kvc_saved = SavedStates(self.kv_cache_manager.block_pool, self.kvc_block_size, len(groups)) \
+            if self.cache_config.enable_prefix_caching and all(
+                isinstance(groups[g].kv_cache_spec, SlidingWindowSpec) for g in range(len(groups))
+                if g not in self.kvc_layers.vllm_groups) else None
         self._kvc_fingerprint: dict[str, str] = {}  # requests with reuse: their settings, as states are keyed
         self._kvc_attaching: dict[str, SavedState] = {}  # this step's hits on a saved state, not yet scheduled
         # Requests with reuse once started: the state they started from (None:
@@ -482,6 +486,7 @@ class KVCompressScheduler(Scheduler):
         for manager, e in zip(self._kvc_managers, evicted):
             manager.num_evicted[rid] = e
             manager.cacheable[rid] = 0  # its blocks hold compressed tokens: never vLLM's to cache
+        self._kvc_exact_until[rid] = 0  # every token it computes reads the state
         self._kvc_attaching[rid] = found
         self._kvc_started[rid] = StartedRequest(rid, state.plan, restored=found.key)
         return self.kv_cache_manager.create_kv_cache_blocks(found.blocks), found.length, 0, False
@@ -495,6 +500,7 @@ class KVCompressScheduler(Scheduler):
         for manager in self._kvc_managers:
             manager.num_evicted.pop(rid, None)
             manager.cacheable.pop(rid, None)
+        self._kvc_exact_until.pop(rid, None)
         self._kvc_started[rid] = StartedRequest(rid, state.plan)
 
     def _take_saved_state_hits(self, scheduled: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -561,6 +567,14 @@ class KVCompressScheduler(Scheduler):
         blocks = [manager.req_to_blocks.get(rid, [])[: cdiv(p, bs)] for manager, p in zip(self._kvc_managers, physical)]
         if any(len(b) != cdiv(p, bs) for b, p in zip(blocks, physical)):
             return None
+        if self._kvc_windows:
+            windows = [_window_blocks(manager, rid, length) for manager in self._kvc_windows]
+            if None in windows:
+                return None  # a window's block at that length was dropped (the answer outgrew the window)
+            held = iter(blocks)
+            at = iter(windows)
+            blocks = [next(held) if g in self.kvc_layers.vllm_groups else next(at)
+                      for g in range(self.kvc_layers.num_vllm_groups)]
         saved = self._kvc_saved.save(self._kvc_fingerprint[rid], request.all_token_ids[:length],
                                      request.block_hashes[anchor - 1], physical, state.plan.protected_len, blocks)
         return None if saved is None else saved.key
@@ -828,6 +842,19 @@ class KVCompressScheduler(Scheduler):
 
     def kv_compress_stats(self) -> dict:
         return self.kvc_stats.snapshot(free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def _window_blocks(manager, request_id: str, length: int) -> list | None:
+    """A sliding-window group's blocks of a request's first `length` tokens as
+    a hit at that length holds them: the null block before the window (what
+    the next token does not read), the request's own blocks from there on
+    (None: one of those was dropped already)."""
+    blocks = manager.req_to_blocks.get(request_id, [])
+    skipped = manager.get_num_skipped_tokens(length) // manager.block_size
+    window = blocks[skipped: cdiv(length, manager.block_size)]
+    if len(window) != cdiv(length, manager.block_size) - skipped or any(b.is_null for b in window):
+        return None
+    return [manager.block_pool.null_block] * skipped + window
 
 
 _UNPLANNED = RequestSchedule.create(None)  # a request not planned yet: uncompressed
