@@ -82,8 +82,8 @@ def refusal(scorer: str, allocation: str, trigger: str, selection: str) -> str |
         return "allocation"  # head budgets are derived before the keys are read (the scorer's check, first)
     if trigger == "streamed" and scorer in QUERY_SCORERS:
         return "trigger"  # a later query could change its choice (the trigger's check, before the allocation's)
-    if allocation in ("adaptive", "per_head") and scorer not in ATTENTION_SCORERS:
-        return "allocation"  # budgets from attention, and the scorer observes no attention
+    if allocation in ("adaptive", "per_head") and scorer not in ATTENTION_SCORERS | REPEAT_SCORERS:
+        return "allocation"  # budgets from attention, and the scorer observes no attention (KVzip: its passes')
     if allocation == "per_head" and scorer == "rkv":
         return "allocation"  # head budgets are derived before the keys are read
     if allocation == "per_head" and scorer == "tova":
@@ -504,18 +504,21 @@ def drive(scorer: str, allocation: str, trigger: str, selection: str, protect_pr
         rc.next_due = state.next_due(logical)  # what the scheduler sends the workers each step
         feed(list(range(logical, end)))
         logical = end
-    if state.budgets_pending:  # what the worker reports at prefill end
+    if scorer in REPEAT_SCORERS:  # what the worker takes from the passes (where budgets follow them, at their end)
+        rc.take_repeat_scores([repeat_scores(layer) for layer in range(NUM_LAYERS)])
+    if state.budgets_pending:  # what the worker reports at prefill end (KVzip: its passes' end)
         reported = rc.attention_budgets()
         if allocation == "adaptive":
-            assert list(reported) == naive_layer_keeps(allocation, scorer, attention, list(range(PROMPT)))
+            # KVzip: each query head holds its KV head's repeat scores.
+            seen = [{(q, p): repeat_scores(layer)[q // GROUP, p].item() for q in range(HQ) for p in range(PROMPT)}
+                    for layer in range(NUM_LAYERS)] if scorer in REPEAT_SCORERS else attention
+            assert list(reported) == naive_layer_keeps(allocation, scorer, seen, list(range(PROMPT)))
         state.set_layer_budgets(reported)
     elif observe or allocation in ("pyramid", "retrieval"):
         keeps = naive_layer_keeps(allocation, scorer, attention, list(range(PROMPT)),
                                   None if trigger == "decode" else PROMPT - protected_len)
         assert list(state.budgets) == [protected_len + k for k in keeps]
     budgets = list(state.budgets)
-    if scorer in REPEAT_SCORERS:  # what the worker takes from the passes at the compaction
-        rc.take_repeat_scores([repeat_scores(layer) for layer in range(NUM_LAYERS)])
     while logical < PROMPT + DECODE:
         compress_if_due()
         rc.next_due = state.next_due(logical)

@@ -130,11 +130,39 @@ def test_subsample_scores_are_kvpress_softmax():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.mrv2
+def test_kvzip_budgets_follow_its_scores(start_engine, tiny_model, reference, repeat_tokens):
+    """Per-head and adaptive budgets share the budget by the repeat passes'
+    scores: the workers report them in the step the last pass ends (passes
+    in chunks of 128 tokens a step, several per prompt), and the request
+    compresses to them before its second token. Greedy tokens equal the
+    reference's (which derives them from the same scores), layers keep
+    different counts (adaptive) and heads masked slots (per_head)."""
+    engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", max_num_batched_tokens=128,
+                                          enable_prefix_caching=True, max_model_len=MAX_MODEL_LEN,
+                                          kv_compress_layer_groups=2))
+    prompts = random_prompts((300, 240, 210, 260), seed=86)
+    configs = [{"policy": "kvzip", "budget": 64, "allocation": "per_head"},
+               {"policy": "kvzip", "budget": 48, "allocation": "per_head", "alpha": 0.5, "chunk_size": 90},
+               {"policy": "kvzip", "budget": 56, "allocation": "adaptive", "chunk_size": 70},
+               {"policy": "kvzip", "budget": 64, "allocation": "adaptive", "coverage": 0.5}]
+    got = engine.generate(prompts, NEW_TOKENS, configs)
+    for prompt, config, tokens in zip(prompts, configs, got):
+        want = _reference(reference, repeat_tokens, prompt, {**config, "layer_groups": 2})
+        assert tokens == want["tokens"], config
+        if config["allocation"] == "per_head":
+            assert sum(want["dead_slots"]) > 0, config
+    kept = [r["tokens_kept_per_group"] for r in engine.stats()["requests"].values() if r["finished"]]
+    assert any(len(set(k)) > 1 for k in kept), kept  # adaptive: the two groups keep different counts
+
+
 def test_kvzip_refuses_what_it_cannot_serve():
-    """A trigger other than once, allocations that derive budgets while the
-    prompt runs and merges are refused, each naming its field."""
-    for extra, field in (({"trigger": "rolling"}, "trigger"), ({"allocation": "per_head"}, "allocation"),
-                         ({"allocation": "adaptive"}, "allocation"), ({"merge": "minicache"}, "merge")):
+    """A trigger other than once, merges, and budgets from the passes' scores
+    beside `reuse` (a continuing request runs no pass) are refused, each
+    naming its field."""
+    for extra, field in (({"trigger": "rolling"}, "trigger"), ({"merge": "minicache"}, "merge"),
+                         ({"allocation": "per_head", "reuse": True}, "reuse"),
+                         ({"allocation": "adaptive", "layer_groups": 2, "reuse": True}, "reuse")):
         with pytest.raises(ValueError, match=field):
             KVCompressConfig.from_dict({"policy": "kvzip", "budget": 64, **extra}).components()
 

@@ -126,7 +126,9 @@ class Allocation(Component):
              f"allocation {self.name!r} (policy {config.policy!r}) gives layers different budgets, which frees "
              f"memory only with per-layer KV cache groups: start the engine with --kv-compress-layer-groups set to "
              f"the number of layers (one group each) or a divisor of it (tiers)"),
-            (self.from_attention and not parts.scorer.observe.scores_attention(), "allocation",
+            # KVzip observes nothing, but its repeat passes give attention scores (reported when they end).
+            (self.from_attention and not (parts.scorer.observe.scores_attention()
+                                          or parts.scorer.reconstructs_context), "allocation",
              f"{self.name!r} shares the budget by observed attention; scorer {parts.scorer.name!r} observes no "
              f"attention; "
              f"valid with it: ['pyramid', 'uniform']"),

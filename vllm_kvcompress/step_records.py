@@ -81,6 +81,10 @@ class StepPlan:
     # were reused): the workers drop them.
     saved: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
+    # KVzip requests whose budgets come from their scores (adaptive,
+    # per_head) and whose last repeat passes end in this step: the workers
+    # take the passes' scores and report the budgets with the step's output.
+    repeat_budgets: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -72,10 +72,10 @@ class KVzip(Scorer):
             (parts.trigger.name != "once", "trigger",
              f"scorer 'kvzip' reconstructs the prompt once, after its prefill; valid with it: ['once'], "
              f"got {parts.trigger.name!r}"),
-            (parts.allocation.name in ("adaptive", "per_head"), "allocation",
-             f"scorer 'kvzip' scores the prompt in repeat passes after it, where allocation "
-             f"{parts.allocation.name!r} derives budgets while the prompt runs; valid with it: ['pyramid', "
-             f"'retrieval', 'uniform']"),
+            (parts.allocation.from_attention and bool(config.reuse), "reuse",
+             f"allocation {parts.allocation.name!r} shares a KVzip request's budget by its repeat passes' "
+             f"scores, and a request continuing a saved state runs none; valid with it: false (or allocation "
+             f"'pyramid', 'retrieval', 'uniform')"),
             (parts.merge.name != "none", "merge",
              f"scorer 'kvzip' is not composed with merge {parts.merge.name!r}; valid with it: ['none']"))
 

@@ -369,10 +369,27 @@ class KVCompressScheduler(Scheduler):
                                           compressing=not (planned.isdisjoint(scheduled)
                                                            and self._kvc_repeat_of.keys().isdisjoint(scheduled)),
                                           saved=saved,
-                                          dropped=dropped))
+                                          dropped=dropped,
+                                          repeat_budgets=self._repeat_budgets_due(scheduled)
+                                          if self._kvc_repeating else ()))
         if ops:
             self._write_snapshot()
         return output
+
+    def _repeat_budgets_due(self, scheduled: dict[str, int]) -> tuple[str, ...]:
+        """KVzip requests whose allocation shares the budget by their scores
+        (adaptive, per_head) and whose every running repeat pass ends its
+        prefill in this step: the workers report their budgets with this
+        step's output, which also ends the passes, so the request compresses
+        at the next step, as one whose budgets came with its prompt's end."""
+        due = []
+        for target, passes in self._kvc_repeating.items():
+            state = self.kvc_states.get(target)
+            if state is not None and state.budgets_pending and all(
+                    p in scheduled and self.requests[p].num_computed_tokens >= self.requests[p].num_prompt_tokens
+                    for p in passes):
+                due.append(target)
+        return tuple(due)
 
     def _next_due_changes(self, scheduled: dict[str, int]) -> dict[str, int | None]:
         """Where each scheduled request with a plan next compresses, from its

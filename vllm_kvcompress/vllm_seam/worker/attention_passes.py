@@ -343,6 +343,12 @@ class ObservedScores(AttentionPass):
                 if r.request_id not in worker.failed and r.state.reports_budgets(r.q_logical):
                     with worker.isolated(r.request_id, "layer budgets"):
                         reporting.append((r.request_id, r.state.layer_slots()))
+            for rid in worker.repeat_budgets:  # KVzip: its last repeat passes ran in this step
+                state, scores = worker.states.get(rid), worker.repeat_scores.pop(rid, None)
+                if state is not None and scores is not None and rid not in worker.failed:
+                    with worker.isolated(rid, "layer budgets from repeat scores"):
+                        state.take_repeat_scores(scores)  # its compaction then finds them taken
+                        reporting.append((rid, state.layer_slots()))
             if reporting:  # every request's layer budgets in one read
                 slots = host_reads.read_list(torch.stack([s for _, s in reporting]), "layer budgets from the prompt")
                 worker.reported += [ReportedBudgets(rid, tuple(row)) for (rid, _), row in zip(reporting, slots)]

@@ -182,6 +182,7 @@ class WorkerCompression:
         self._evicted_rows: tuple[list[str], np.ndarray] | None = None  # `evicted_rows`, kept
         # Per-layer budgets decided from this step's attention, for the scheduler.
         self.reported: list[ReportedBudgets] = []
+        self.repeat_budgets: tuple[str, ...] = ()  # this step's (StepPlan.repeat_budgets)
         self.snapshot = SnapshotWriter("worker")
         self.timer = PhaseTimer(self.device, enabled=self.snapshot.enabled)  # for /metrics
         # Requests whose compression raised in this step: each fails alone
@@ -260,6 +261,7 @@ class WorkerCompression:
         # Any request's end, compressed or not: both leave holes in the heap.
         self.heap.after_step(ended=bool(so.finished_req_ids or preempted), idle=not so.total_num_scheduled_tokens)
         self.compressing = plan.compressing
+        self.repeat_budgets = plan.repeat_budgets
         for started in plan.started:
             self.states.pop(started.request_id, None)
             self.evicted.pop(started.request_id, None)
