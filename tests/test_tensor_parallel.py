@@ -34,6 +34,9 @@ CONFIGS = [
     {"policy": "h2o", "allocation": "per_head", "trigger": "once", "budget": 64},
     {"policy": "tova", "allocation": "pyramid", "budget": 64, "window": 4},
     {"policy": "snapkv", "selection": "span", "span": 8, "compression_ratio": 0.75, "window": 8},
+    # Budgets from the repeat passes' scores, reported by every rank from its heads' scores gathered.
+    {"policy": "kvzip", "allocation": "per_head", "budget": 64},
+    {"policy": "kvzip", "allocation": "adaptive", "budget": 64},
     None,
 ]
 
