@@ -168,3 +168,34 @@ def plain_head_counts(ranked: list[list[float]], budget: int, alpha: float) -> l
     rest = [-math.inf if i in own[h] else ranked[h][i] for h in range(heads) for i in range(tokens)]
     shared = plain_best(rest, min(budget, tokens) * heads - floor * heads)
     return [floor + sum(1 for j in shared if j // tokens == h) for h in range(heads)]
+
+
+def preempted_second_turns(engine, reference, firsts, configs, tails, fillers, first_tokens: int,
+                           filler_tokens: int, turn_tokens: int = 160) -> None:
+    """`reuse` under a pool too small for the second turns beside growing
+    uncompressed neighbours (sent first): second turns start from their
+    first turn's state, some are preempted after that and resume from it,
+    and each equals the reference continuing the first turn's state; the
+    pool is whole afterwards."""
+    from vllm import SamplingParams
+
+    from vllm_kvcompress.config import KVCompressConfig
+
+    turn1 = engine.generate(firsts, first_tokens, configs)
+    seconds = [p + t + tail for p, t, tail in zip(firsts, turn1, tails)]
+    before = engine.stats()
+    params = [SamplingParams(max_tokens=turn_tokens if c else filler_tokens, temperature=0, ignore_eos=True,
+                             extra_args=None if c is None else {"kv_compress": c})
+              for c in [None] * len(fillers) + list(configs)]
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in fillers + seconds], params, use_tqdm=False)
+    stats = engine.stats()
+    assert stats["preemptions"] > before["preemptions"], "the cache was meant to be too small"
+    assert stats["states_reused"] - before["states_reused"] == len(firsts)
+    assert any("#preempted" in k and r["tokens_reused"] for k, r in stats["requests"].items()), \
+        "a second turn was meant to be preempted after it started from its state"
+    for first, config, second, out in zip(firsts, configs, seconds, outs[len(fillers):]):
+        cfg = KVCompressConfig.from_dict(config)
+        resume = reference.generate(first, first_tokens, cfg, block_size=BLOCK_SIZE)
+        want = reference.generate(second, turn_tokens, cfg, block_size=BLOCK_SIZE, resume=resume)
+        assert list(out.outputs[0].token_ids) == want["tokens"], config
+    assert stats["free_blocks"] == stats["total_blocks"]

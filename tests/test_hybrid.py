@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import BLOCK_SIZE, engine_kwargs, random_prompts
+from helpers import BLOCK_SIZE, engine_kwargs, preempted_second_turns, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.registry import POLICIES
 from vllm_kvcompress.schedule import cdiv
@@ -259,28 +259,10 @@ def test_preempted_turns_resume_from_their_state(start_engine, gemma_model, refe
     engine = start_engine(**engine_kwargs(gemma_model, kv_compress="none", enable_prefix_caching=True,
                                           num_gpu_blocks_override=80, kv_compress_reserve_growth=0,
                                           max_model_len=512))
-    firsts = random_prompts((190, 210, 170), seed=71)
     configs = [{"policy": "snapkv", "budget": 64, "reuse": True}, {"policy": "h2o", "budget": 48, "reuse": True},
                {"policy": "tova", "budget": 56, "reuse": True}]
-    turn1 = engine.generate(firsts, NEW_TOKENS, configs)
-    seconds = [p + t + tail for p, t, tail in zip(firsts, turn1, random_prompts((40, 30, 50), seed=72))]
     # Short uncompressed prompts that grow long: every second turn starts
     # at once on its state, and the newest are preempted as the batch grows.
-    fillers = random_prompts([40] * 3, seed=73)
-    before = engine.stats()
-    from vllm import SamplingParams
-
-    params = [SamplingParams(max_tokens=160 if c else 400, temperature=0, ignore_eos=True,
-                             extra_args=None if c is None else {"kv_compress": c}) for c in [None] * 3 + configs]
-    outs = engine.llm.generate([{"prompt_token_ids": p} for p in fillers + seconds], params, use_tqdm=False)
-    stats = engine.stats()
-    assert stats["preemptions"] > before["preemptions"], "the cache was meant to be too small"
-    assert stats["states_reused"] - before["states_reused"] == 3
-    assert any("#preempted" in k and r["tokens_reused"] for k, r in stats["requests"].items()), \
-        "a second turn was meant to be preempted after it started from its state"
-    for first, config, second, out in zip(firsts, configs, seconds, outs[3:]):
-        cfg = KVCompressConfig.from_dict(config)
-        resume = reference.generate(first, NEW_TOKENS, cfg, block_size=BLOCK_SIZE)
-        want = reference.generate(second, 160, cfg, block_size=BLOCK_SIZE, resume=resume)
-        assert list(out.outputs[0].token_ids) == want["tokens"], config
-    assert stats["free_blocks"] == stats["total_blocks"]
+    preempted_second_turns(engine, reference, random_prompts((190, 210, 170), seed=71), configs,
+                           random_prompts((40, 30, 50), seed=72), random_prompts([40] * 3, seed=73),
+                           first_tokens=NEW_TOKENS, filler_tokens=400)

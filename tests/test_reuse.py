@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import engine_kwargs, random_prompts
+from helpers import engine_kwargs, preempted_second_turns, random_prompts
 from vllm_kvcompress.config import KVCompressConfig
 
 NEW_TOKENS = 16
@@ -145,29 +145,11 @@ def test_preempted_turns_resume_from_their_state(start_engine, tiny_model, refer
     # holding their states, and are preempted as the batch grows.
     engine = start_engine(**engine_kwargs(tiny_model, kv_compress="none", enable_prefix_caching=True,
                                           num_gpu_blocks_override=48, kv_compress_reserve_growth=0))
-    firsts = random_prompts((190, 210, 170), seed=86)
     configs = [{"policy": "snapkv", "budget": 64, "reuse": True}, {"policy": "h2o", "budget": 48, "reuse": True},
                {"policy": "tova", "budget": 56, "reuse": True}]
-    turn1 = [t for t, _ in run(engine, firsts, configs)]
-    seconds = [p + t + tail for p, t, tail in zip(firsts, turn1, random_prompts((40, 30, 50), seed=87))]
-    fillers = random_prompts([220] * 3, seed=88)
-    before = engine.stats()
-    from vllm import SamplingParams
-
-    params = [SamplingParams(max_tokens=160, temperature=0, ignore_eos=True,
-                             extra_args=None if c is None else {"kv_compress": c}) for c in [None] * 3 + configs]
-    outs = engine.llm.generate([{"prompt_token_ids": p} for p in fillers + seconds], params, use_tqdm=False)
-    stats = engine.stats()
-    assert stats["preemptions"] > before["preemptions"], "the cache was meant to be too small"
-    assert stats["states_reused"] - before["states_reused"] == 3
-    assert any("#preempted" in k and r["tokens_reused"] for k, r in stats["requests"].items()), \
-        "a second turn was meant to be preempted after it started from its state"
-    for first, config, second, out in zip(firsts, configs, seconds, outs[3:]):
-        cfg = KVCompressConfig.from_dict(config)
-        resume = reference.generate(first, NEW_TOKENS, cfg, block_size=32)
-        want = reference.generate(second, 160, cfg, block_size=32, resume=resume)
-        assert list(out.outputs[0].token_ids) == want["tokens"], config
-    assert stats["free_blocks"] == stats["total_blocks"]
+    preempted_second_turns(engine, reference, random_prompts((190, 210, 170), seed=86), configs,
+                           random_prompts((40, 30, 50), seed=87), random_prompts([220] * 3, seed=88),
+                           first_tokens=NEW_TOKENS, filler_tokens=160)
 
 
 def test_evicted_states_are_never_used(start_engine, tiny_model, reference):
