@@ -68,6 +68,9 @@ def settings(ratio: float) -> dict[str, dict | None]:
         f"expected_attention, {kept}, recompressed": {"policy": "expected_attention", "compression_ratio": ratio},
         f"expected_attention, {kept}, reuse": {"policy": "expected_attention", "compression_ratio": ratio,
                                               "reuse": 1},
+        # Recompressed: each turn's repeat passes score its whole history; reused: only turn 1's prompt.
+        f"kvzip, {kept}, recompressed": {"policy": "kvzip", "compression_ratio": ratio},
+        f"kvzip, {kept}, reuse": {"policy": "kvzip", "compression_ratio": ratio, "reuse": 1},
     }
 
 
