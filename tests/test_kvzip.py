@@ -102,11 +102,12 @@ def test_repeat_passes_chunk_the_prompt_as_kvpress():
     assert passes[0].tokens == (1, 2, 9, *range(100, 110))
     assert passes[1].tokens == (3, 108, 109, 9, *range(110, 120))
     assert all(p.context_len == 25 for p in passes)
-    # Room for 25 + 3 (the longest head: the next instruction and 2 tokens) + 1 + a chunk of 6.
-    assert [(p.start, p.end) for p in repeat_passes(context, KVzip(chunk_size=10, overlap=2), tokens, 35)] == \
+    # Room for 25 + 3 (the longest head: the next instruction and 2 tokens) + 1 + a chunk of 6, and the
+    # token the pass samples.
+    assert [(p.start, p.end) for p in repeat_passes(context, KVzip(chunk_size=10, overlap=2), tokens, 36)] == \
         [(0, 6), (6, 12), (12, 18), (18, 24), (24, 25)]
-    with pytest.raises(ValueError, match="max_model_len 29"):
-        repeat_passes(context, KVzip(chunk_size=10, overlap=2), tokens, 29)
+    with pytest.raises(ValueError, match="max_model_len 30"):
+        repeat_passes(context, KVzip(chunk_size=10, overlap=2), tokens, 30)
 
 
 def test_subsample_scores_are_kvpress_softmax():
@@ -264,3 +265,18 @@ def test_a_prompt_without_room_for_its_pass_fails_alone(engine):
                              extra_args={"kv_compress": {"policy": "kvzip", "budget": 64}}) for _ in range(2)]
     outs = engine.llm.generate([{"prompt_token_ids": p} for p in (long, short)], params, use_tqdm=False)
     assert [(o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outs] == [("error", 0), ("length", 8)]
+
+
+def test_passes_that_fill_max_model_len_leave_room_for_their_token(engine, reference, repeat_tokens):
+    """A prompt long enough that its chunks shrink to fit max_model_len: each
+    pass with its longest instruction ends one token short of it (the token
+    it samples; a pass filling it killed the engine: vLLM fails a step whose
+    sampled token passes max_model_len), and the request equals the reference."""
+    scorer = KVzip()
+    extra = max(len(repeat_tokens.first), len(repeat_tokens.next) + scorer.overlap) + len(repeat_tokens.suffix)
+    prompt = random_prompts((MAX_MODEL_LEN - extra - 1 - 300,), seed=91)[0]
+    passes = repeat_passes(prompt, scorer, repeat_tokens, MAX_MODEL_LEN)
+    assert len(passes) > 1 and max(len(prompt) + len(p.tokens) for p in passes) == MAX_MODEL_LEN - 1
+    config = {"policy": "kvzip", "budget": 64}
+    assert engine.generate([prompt], NEW_TOKENS, [config])[0] == \
+        _reference(reference, repeat_tokens, prompt, config)["tokens"]

@@ -144,11 +144,12 @@ class RepeatPass:
 def repeat_passes(context: Sequence[int], scorer: KVzip, tokens: RepeatTokens,
                   max_len: int | None = None) -> list[RepeatPass]:
     """The repeat passes that score `context`: one per chunk, each short
-    enough that the context and the pass fit `max_len` tokens (None: no
-    limit). Raises ValueError where no chunk fits."""
+    enough that the context, the pass and the one token it samples fit
+    `max_len` tokens (None: no limit; vLLM fails a step whose sampled token
+    passes max_model_len). Raises ValueError where no chunk fits."""
     n = len(context)
     extra = max(len(tokens.first), len(tokens.next) + scorer.overlap) + len(tokens.suffix)
-    chunk = scorer.chunk_size if max_len is None else min(scorer.chunk_size, max_len - n - extra)
+    chunk = scorer.chunk_size if max_len is None else min(scorer.chunk_size, max_len - n - extra - 1)
     if chunk < 1:
         raise ValueError(f"kvzip: a prompt of {n} tokens leaves no room for a repeat pass of it within "
                          f"max_model_len {max_len} (the pass takes {extra} tokens and a chunk of the prompt); "
