@@ -139,23 +139,23 @@ class KVCompressScheduler(Scheduler):
                     f"kv_compress: KV cache group {group} is managed by {type(manager).__name__} "
                     f"(spec {type(groups[group].kv_cache_spec).__name__}), not CompressedAttentionManager"
                 )
-        # A hybrid's groups that do not compress cache a request's blocks
-        # only up to its first compaction (block_manager.cache_exact_tokens_only):
-        # the tokens it computes after it read a compressed cache.
+        # A hybrid's groups that do not compress (vLLM's managers), in vLLM's order.
+        uncompressed = [g for g in range(len(groups)) if g not in self.kvc_layers.vllm_groups]
+        self._kvc_uncompressed = tuple(managers[g] for g in uncompressed)
+        # They cache a request's blocks only up to its first compaction
+        # (block_manager.cache_exact_tokens_only): the tokens it computes
+        # after it read a compressed cache.
         self._kvc_exact_until: dict[str, int] = {}
         if self.cache_config.enable_prefix_caching:
-            for g, manager in enumerate(managers):
-                if g not in self.kvc_layers.vllm_groups:
-                    cache_exact_tokens_only(manager, self._kvc_exact_until)
+            for manager in self._kvc_uncompressed:
+                cache_exact_tokens_only(manager, self._kvc_exact_until)
         # `reuse`: finished requests' compressed states kept in the prefix
         # cache for later requests (saved_states.py), where vLLM caches
         # prefixes and the groups that do not compress are sliding windows
         # (engine_checks.reuse_problem refuses DeltaNet hybrids).
-        self._kvc_windows = tuple(m for g, m in enumerate(managers) if g not in self.kvc_layers.vllm_groups)
         self._kvc_saved = SavedStates(self.kv_cache_manager.block_pool, self.kvc_block_size, len(groups)) \
             if self.cache_config.enable_prefix_caching and all(
-                isinstance(groups[g].kv_cache_spec, SlidingWindowSpec) for g in range(len(groups))
-                if g not in self.kvc_layers.vllm_groups) else None
+                isinstance(groups[g].kv_cache_spec, SlidingWindowSpec) for g in uncompressed) else None
         self._kvc_fingerprint: dict[str, str] = {}  # requests with reuse: their settings, as states are keyed
         self._kvc_attaching: dict[str, SavedState] = {}  # this step's hits on a saved state, not yet scheduled
         # Requests with reuse once started: the state they started from (None:
@@ -584,8 +584,8 @@ class KVCompressScheduler(Scheduler):
         blocks = [manager.req_to_blocks.get(rid, [])[: cdiv(p, bs)] for manager, p in zip(self._kvc_managers, physical)]
         if any(len(b) != cdiv(p, bs) for b, p in zip(blocks, physical)):
             return None
-        if self._kvc_windows:
-            windows = [_window_blocks(manager, rid, length) for manager in self._kvc_windows]
+        if self._kvc_uncompressed:  # sliding windows (`_kvc_saved`)
+            windows = [_window_blocks(manager, rid, length) for manager in self._kvc_uncompressed]
             if None in windows:
                 return None  # a window's block at that length was dropped (the answer outgrew the window)
             held = iter(blocks)
