@@ -199,3 +199,25 @@ def preempted_second_turns(engine, reference, firsts, configs, tails, fillers, f
         want = reference.generate(second, turn_tokens, cfg, block_size=BLOCK_SIZE, resume=resume)
         assert list(out.outputs[0].token_ids) == want["tokens"], config
     assert stats["free_blocks"] == stats["total_blocks"]
+
+
+def reused_turns(engine, reference, firsts, configs, tails, new_tokens: int, block_size: int = BLOCK_SIZE):
+    """Conversations with `reuse` (a conversation per config), batched, one
+    turn per entry of `tails`: each turn equals the reference continuing its
+    own state of the turn before, and each later turn's prefix-cache hit is
+    exactly that turn's history. Turn t + 1's prompt is turn t's prompt,
+    answer and `tails[t][i]`; returns the prompts after the last turn."""
+    from vllm_kvcompress.config import KVCompressConfig
+
+    prompts, wants = list(firsts), [None] * len(firsts)
+    for turn, tail in enumerate(tails):
+        got = engine.generate_with_hits(prompts, new_tokens, configs)
+        for i, (prompt, config, (tokens, hit)) in enumerate(zip(prompts, configs, got)):
+            want = reference.generate(prompt, new_tokens, KVCompressConfig.from_dict(config), block_size=block_size,
+                                      resume=wants[i])
+            assert tokens == want["tokens"], (turn, config)
+            if turn:
+                assert hit == len(wants[i]["resume"]["history"]), (turn, config, hit)
+            wants[i] = want
+        prompts = [p + tokens + t for p, (tokens, _), t in zip(prompts, got, tail)]
+    return prompts

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import BLOCK_SIZE, engine_kwargs, preempted_second_turns, random_prompts
+from helpers import BLOCK_SIZE, engine_kwargs, preempted_second_turns, random_prompts, reused_turns
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.registry import POLICIES
 from vllm_kvcompress.schedule import cdiv
@@ -212,17 +212,8 @@ def test_next_turns_continue_the_compressed_state(cached, reference):
                {"policy": "h2o", "budget": 48, "selection": "span", "span": 8, "reuse": True},
                {"policy": "kvzip", "budget": 96, "chunk_size": 80, "reuse": True}]
     extra = random_prompts((40, 35, 50, 30, 45, 38), seed=68)
-    prompts, wants = firsts, [None] * len(firsts)
-    for turn in range(3):
-        got = cached.generate_with_hits(prompts, NEW_TOKENS, configs)
-        for i, (prompt, config, (tokens, hit)) in enumerate(zip(prompts, configs, got)):
-            want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=BLOCK_SIZE,
-                                      resume=wants[i])
-            assert tokens == want["tokens"], (turn, config)
-            if turn:
-                assert hit == len(wants[i]["resume"]["history"]), (turn, config, hit)
-            wants[i] = want
-        prompts = [p + tokens + extra[2 * i + turn % 2] for i, (p, (tokens, _)) in enumerate(zip(prompts, got))]
+    prompts = reused_turns(cached, reference, firsts, configs,
+                           [[extra[2 * i + turn % 2] for i in range(len(firsts))] for turn in range(3)], NEW_TOKENS)
     # One token of the last history changed: no state, as a fresh request.
     prompt = list(prompts[0])
     prompt[len(firsts[0]) + 3] = (prompt[len(firsts[0]) + 3] + 1) % 1000

@@ -18,7 +18,7 @@ import functools
 
 import pytest
 
-from helpers import Engine, engine_kwargs, random_prompts
+from helpers import Engine, engine_kwargs, random_prompts, reused_turns
 from vllm_kvcompress.config import KVCompressConfig
 from vllm_kvcompress.registry import POLICIES
 
@@ -483,14 +483,5 @@ def test_reuse_on_sliding_window_hybrids(start_engine, name):
                {"policy": "tova", "budget": 40, "reuse": True}]
     prompts = random_prompts((150, 190), seed=74)
     extra = random_prompts((30, 41, 27, 36), seed=75)
-    wants: list = [None, None]
-    for turn in range(3):
-        got = engine.generate_with_hits(prompts, NEW_TOKENS, configs)
-        for i, (prompt, config, (tokens, hit)) in enumerate(zip(prompts, configs, got)):
-            want = reference.generate(prompt, NEW_TOKENS, KVCompressConfig.from_dict(config), block_size=32,
-                                      resume=wants[i])
-            assert tokens == want["tokens"], (turn, config)
-            if turn:
-                assert hit == len(wants[i]["resume"]["history"]), (turn, config, hit)
-            wants[i] = want
-        prompts = [p + t + extra[2 * turn % 4 + i] for i, (p, (t, _)) in enumerate(zip(prompts, got))]
+    reused_turns(engine, reference, prompts, configs, [[extra[2 * turn % 4 + i] for i in range(2)]
+                                                       for turn in range(3)], NEW_TOKENS, block_size=32)
